@@ -1,0 +1,29 @@
+"""Differences between the CuTe DSL versions we run on (4.3.5 on the GPU machine) and compile on
+(the newest 4.x in CI), chosen by feature checks, not version strings."""
+from __future__ import annotations
+
+import os
+
+import cutlass.cute as cute
+
+try:  # 4.8 moved it to cutlass.runtime and re-exports it from cute.runtime; 4.3.5 has cute.runtime only
+    from cutlass.cute.runtime import make_fake_stream
+except ImportError:  # pragma: no cover
+    from cutlass.runtime import make_fake_stream  # type: ignore
+
+make_fake_tensor = cute.runtime.make_fake_tensor
+
+
+def sym_int(width: int = 32, divisibility: int = 1):
+    """A symbolic (run-time) integer for a fake tensor's shape or stride."""
+    return cute.sym_int(width, divisibility=divisibility)
+
+
+def target_arch() -> str | None:
+    """The arch to compile for when there is no GPU (CI): CUTE_DSL_ARCH, e.g. sm_90a."""
+    return os.environ.get("CUTE_DSL_ARCH")
+
+
+def compile_tvm_ffi(fn, *args):
+    """cute.compile with the TVM-FFI calling convention (~3.5 us per call instead of ~40 us)."""
+    return cute.compile(fn, *args, options="--enable-tvm-ffi" + (" --keep-ptx" if os.environ.get("DISTNORM_KEEP_PTX") else ""))

@@ -1,0 +1,79 @@
+"""Compile the fused kernels once per compile-time key, from fake tensors with a symbolic row count.
+
+A new token count never recompiles: M and the row strides are run-time values. Compiled kernels
+use the TVM-FFI calling convention and take the current torch stream implicitly.
+
+Tensor conventions at the kernel boundary (the op layer makes these views):
+- activations x, residual, residual_out, y: [M, H] bf16/fp16, last dim contiguous, rows 16-byte aligned;
+- weight [H];
+- q: int32 words, [M, H/4] for fp8 formats, [M, H/8] for fp4 (packed two per byte);
+- scales: float32 [M, 1] (per-token), float32 [M, H/g] row- or column-major (per-group),
+  uint8 [M, K] (linear nvfp4/mx) or flat uint8 [Mp*Kp] (swizzled);
+- scale / global_scale: float32 [1].
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from . import compat
+from .fused_norm import FusedAddRMSNormQuant
+from .norm_quant import QuantParams, choose_tiling
+
+CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+
+
+def fake_rows(dtype, cols: int, m, align: int = 16, row_div: int = 8):
+    """A fake [m, cols] tensor with a run-time row stride (divisible by row_div elements)."""
+    return compat.make_fake_tensor(dtype, (m, cols), (compat.sym_int(64, divisibility=row_div), 1),
+                                   assumed_align=align)
+
+
+def fake_scales(quant: QuantParams, hidden: int, m):
+    """Fake scale tensor for `quant` (None when the format has no scale output)."""
+    if quant.kind == "fp8_per_token":
+        return compat.make_fake_tensor(Float32, (m, 1), (1, 1), assumed_align=4)
+    if quant.kind == "fp8_per_group":
+        groups = hidden // quant.block
+        stride = (1, compat.sym_int(64)) if quant.col_major else (groups, 1)
+        return compat.make_fake_tensor(Float32, (m, groups), stride, assumed_align=4)
+    if quant.kind in ("nvfp4", "mxfp8", "mxfp4"):
+        if quant.swizzled:
+            return compat.make_fake_tensor(cutlass.Uint8, (compat.sym_int(32),), (1,), assumed_align=4)
+        k = hidden // quant.block
+        return compat.make_fake_tensor(cutlass.Uint8, (m, k), (k, 1), assumed_align=1)
+    return None
+
+
+def fake_q(quant: QuantParams, hidden: int, m):
+    if quant.kind == "none":
+        return None
+    words = hidden // 8 if quant.fp4 else hidden // 4
+    return compat.make_fake_tensor(cutlass.Int32, (m, words),
+                                   (compat.sym_int(64, divisibility=1 if quant.fp4 else 2), 1),
+                                   assumed_align=4 if quant.fp4 else 8)
+
+
+@functools.cache
+def compiled_fused_norm(dtype: str, hidden: int, quant: QuantParams, has_residual: bool, gemma: bool,
+                        write_y: bool, cluster_n: int = 1) -> Callable:
+    """The compiled single-GPU kernel; call as f(x, res, res_out, w, y, q, scales, scale, gs, eps)."""
+    cdtype = CUTE_DTYPES[dtype]
+    tiling = choose_tiling(hidden, cluster_n, quant.block)
+    kernel = FusedAddRMSNormQuant(tiling, quant, has_residual, gemma, write_y)
+    m = compat.sym_int(32)
+    x = fake_rows(cdtype, hidden, m)
+    res = fake_rows(cdtype, hidden, m) if has_residual else None
+    res_out = fake_rows(cdtype, hidden, m) if has_residual else None
+    w = compat.make_fake_tensor(cdtype, (hidden,), (1,), assumed_align=16)
+    y = fake_rows(cdtype, hidden, m) if write_y else None
+    q = fake_q(quant, hidden, m)
+    s = fake_scales(quant, hidden, m)
+    scale = compat.make_fake_tensor(Float32, (1,), (1,), assumed_align=4) if quant.kind == "fp8" else None
+    gs = compat.make_fake_tensor(Float32, (1,), (1,), assumed_align=4) if quant.kind == "nvfp4" else None
+    stream = compat.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return compat.compile_tvm_ffi(kernel, x, res, res_out, w, y, q, s, scale, gs, Float32(1e-6), stream)

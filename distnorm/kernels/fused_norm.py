@@ -1,0 +1,102 @@
+"""Single-GPU fused kernel: [residual add] + RMSNorm + [quantization], one pass over HBM.
+
+One CTA (or a cluster of `cluster_n` CTAs splitting the row) handles `rows_per_cta` rows; the epilogue
+is `NormQuantCore.epilogue`, the same code the all-reduce kernels end with.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from . import ptx
+from .norm_quant import VEC, NormQuantCore, QuantParams, RowTiling
+
+
+class FusedAddRMSNormQuant:
+    """Compile-time settings live on the object; rows (M) and strides are run-time."""
+
+    def __init__(self, tiling: RowTiling, quant: QuantParams, has_residual: bool, gemma: bool,
+                 write_y: bool):
+        self.t = tiling
+        self.q = quant
+        self.has_residual = has_residual
+        self.core = NormQuantCore(tiling, quant, gemma, write_y)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mR, mRout, mW: cute.Tensor, mY, mQ, mS, mScale, mGS,
+                 eps: Float32, stream):
+        t = self.t
+        m = mX.shape[0]
+        rows = m
+        if const_expr(self.q.swizzled):
+            rows = (m + 127) // 128 * 128  # the 128x4 scale layout's padded rows are written too
+        blocks = (rows + t.rows_per_cta - 1) // t.rows_per_cta
+        self.kernel(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, eps, rows).launch(
+            grid=[blocks * t.cluster_n, 1, 1],
+            block=[t.threads, 1, 1],
+            cluster=[t.cluster_n, 1, 1] if const_expr(t.cluster_n > 1) else None,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mR, mRout, mW: cute.Tensor, mY, mQ, mS, mScale, mGS,
+               eps: Float32, rows: Int32):
+        t = self.t
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        cta_rank = Int32(0)
+        if const_expr(t.cluster_n > 1):
+            cta_rank = cute.arch.block_idx_in_cluster()
+            cute.arch.cluster_arrive_relaxed()  # peers' smem must exist before our DSMEM stores
+        row_in_cta = tidx // t.threads_per_row
+        lane = tidx % t.threads_per_row
+        row = (bidx // t.cluster_n) * t.rows_per_cta + row_in_cta
+        m = mX.shape[0]
+        row_valid = row < m
+
+        smem = cutlass.utils.SmemAllocator()
+        bufs = self.core.allocate_smem(smem)
+        if const_expr(t.cluster_n > 1):
+            cute.arch.cluster_wait()
+
+        nv = t.vecs_per_thread
+        vbase = cta_rank * t.vecs_per_cta_row
+        rX = cute.make_rmem_tensor(cute.make_layout(nv * VEC), mX.element_type)
+        rR = cute.make_rmem_tensor(cute.make_layout(nv * VEC), mX.element_type)
+        rH = cute.make_rmem_tensor(cute.make_layout(nv * VEC), Float32)
+        rX.fill(0.0)
+        rR.fill(0.0)
+        # all loads first: residual_out may alias residual, so no store may precede a load
+        if row_valid:
+            tX = cute.zipped_divide(mX[row, None], (VEC,))
+            for j in cutlass.range_constexpr(nv):
+                v = lane + j * t.threads_per_row
+                if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                    self.core._slice(rX, j).store(tX[(None, vbase + v)].load())
+            if const_expr(self.has_residual):
+                tR = cute.zipped_divide(mR[row, None], (VEC,))
+                for j in cutlass.range_constexpr(nv):
+                    v = lane + j * t.threads_per_row
+                    if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                        self.core._slice(rR, j).store(tR[(None, vbase + v)].load())
+        if const_expr(self.has_residual):
+            # h = T(float(x) + float(res)), one rounding; the norm reads float(h)
+            rH.store((rX.load().to(Float32) + rR.load().to(Float32)).to(mX.element_type).to(Float32))
+            if row_valid:
+                tO = cute.zipped_divide(mRout[row, None], (VEC,))
+                for j in cutlass.range_constexpr(nv):
+                    v = lane + j * t.threads_per_row
+                    if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                        tO[(None, vbase + v)].store(self.core._slice(rH, j).load().to(mX.element_type))
+        else:
+            rH.store(rX.load().to(Float32))
+
+        static_inv = Float32(0.0)
+        global_scale = Float32(0.0)
+        if const_expr(self.q.kind == "fp8"):
+            static_inv = ptx.rcp_rn(mScale[0])
+        if const_expr(self.q.kind == "nvfp4"):
+            global_scale = mGS[0]
+        self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, cta_rank, eps, mW, mY,
+                           mQ, mS, static_inv, global_scale, bufs)

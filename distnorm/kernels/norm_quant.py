@@ -1,0 +1,345 @@
+"""The norm-quant cores: RMSNorm and every quantizer, written once as CuTe DSL device code.
+
+Every fused kernel (single GPU, one-shot and two-shot all-reduce) ends the same way: each thread holds
+float32 values of the new residual `h` for its slice of one row, and `NormQuantCore.epilogue` turns
+them into the bf16/fp16 norm output and the quantized bytes and scales of docs/SEMANTICS.md.
+
+Thread layout (`RowTiling`): a row of H elements is cut into 16-byte vectors of 8 elements; a row
+(or, with a thread-block cluster, 1/cluster_n of it) is owned by `threads_per_row` consecutive
+threads, thread `lane` holding vectors `lane + j * threads_per_row`. Groups and quantization blocks
+(16, 32, 64, 128 elements) are then 2..16 consecutive lanes of one warp, reduced with shuffles;
+the row sum of squares goes warp -> shared memory -> (cluster) distributed shared memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from . import ptx
+
+VEC = 8  # elements per 16-byte vector of bf16/fp16
+MAX_THREADS = 1024
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+PER_TOKEN_MIN_AMAX = 1e-10  # docs/SEMANTICS.md: s = max(a, 1e-10) / 448
+
+
+@dataclass(frozen=True)
+class QuantParams:
+    """Compile-time description of the quantized output (a distnorm.formats.QuantSpec, flattened).
+
+    kind: "none" | "fp8" | "fp8_per_token" | "fp8_per_group" | "nvfp4" | "mxfp8" | "mxfp4".
+    block: elements per scale along H (per-group g, 16 for nvfp4, 32 for mx; 0 otherwise).
+    """
+
+    kind: str = "none"
+    block: int = 0
+    swizzled: bool = False
+    col_major: bool = False
+    ue8m0: bool = False
+
+    @property
+    def fp4(self) -> bool:
+        return self.kind in ("nvfp4", "mxfp4")
+
+    @property
+    def blocked(self) -> bool:
+        return self.kind in ("fp8_per_group", "nvfp4", "mxfp8", "mxfp4")
+
+    @property
+    def q_words_per_vec(self) -> int:
+        """int32 words of quantized output per 8-element vector."""
+        return 1 if self.fp4 else 2
+
+
+@dataclass(frozen=True)
+class RowTiling:
+    """How threads cover rows (compile-time)."""
+
+    hidden: int
+    threads_per_row: int
+    rows_per_cta: int = 1
+    cluster_n: int = 1
+
+    @property
+    def vecs_per_cta_row(self) -> int:
+        return self.hidden // VEC // self.cluster_n
+
+    @property
+    def vecs_per_thread(self) -> int:
+        return -(-self.vecs_per_cta_row // self.threads_per_row)
+
+    @property
+    def exact(self) -> bool:
+        """Every thread's every vector is inside the row (no predicate needed)."""
+        return self.vecs_per_cta_row % self.threads_per_row == 0
+
+    @property
+    def threads(self) -> int:
+        return self.threads_per_row * self.rows_per_cta
+
+    @property
+    def warps_per_row(self) -> int:
+        return self.threads_per_row // 32
+
+
+def choose_tiling(hidden: int, cluster_n: int = 1, block: int = 0) -> RowTiling:
+    """Pick threads per row so each thread holds about 4 vectors (32 elements) of one row.
+
+    Around 4 independent 16-byte loads per input in flight per thread is what keeps HBM busy without
+    spilling; fewer vectors per thread means more threads and more reduction steps.
+    """
+    if hidden % VEC or (hidden // VEC) % cluster_n:
+        raise ValueError(f"hidden={hidden} does not split into {cluster_n} CTAs of 8-element vectors")
+    vecs = hidden // VEC // cluster_n
+    if block and (vecs * VEC) % block:
+        raise ValueError(f"hidden={hidden} / cluster_n={cluster_n} is not a multiple of the block {block}")
+    best = None
+    for nv in (4, 2, 3, 5, 6, 8, 1, 7, 10, 12, 16):
+        if vecs % nv == 0 and (vecs // nv) % 32 == 0 and vecs // nv <= MAX_THREADS:
+            best = vecs // nv
+            break
+    if best is None:  # ragged row: predicate the tail vectors
+        best = min(MAX_THREADS, max(32, -(-(-(-vecs // 4)) // 32) * 32))
+    rows = max(1, min(8, 256 // best))
+    return RowTiling(hidden=hidden, threads_per_row=best, rows_per_cta=rows, cluster_n=cluster_n)
+
+
+class NormQuantCore:
+    """RMSNorm + quantization epilogue shared by every fused kernel.
+
+    Built at trace time from compile-time values; its methods are called inside a @cute.kernel.
+    """
+
+    def __init__(self, tiling: RowTiling, quant: QuantParams, gemma: bool, write_y: bool):
+        self.t = tiling
+        self.q = quant
+        self.gemma = gemma
+        self.write_y = write_y
+        if quant.blocked:
+            lanes = quant.block // VEC
+            assert tiling.threads_per_row % lanes == 0 and lanes <= 32
+
+    # ---- shared memory -------------------------------------------------------------------------
+    def allocate_smem(self, smem):
+        """Per-row partials: [rows_per_cta, warps_per_row] and [rows_per_cta, cluster_n], two phases."""
+        t = self.t
+        bufs = []
+        for _ in range(2):  # phase 0: sum of squares, phase 1: per-token amax
+            warp_buf = smem.allocate_tensor(
+                Float32, cute.make_layout((t.rows_per_cta, max(1, t.warps_per_row))), byte_alignment=16
+            )
+            cta_buf = smem.allocate_tensor(
+                Float32, cute.make_layout((t.rows_per_cta, t.cluster_n)), byte_alignment=16
+            )
+            bufs.append((warp_buf, cta_buf))
+        return bufs
+
+    # ---- reductions ----------------------------------------------------------------------------
+    @cute.jit
+    def row_reduce(self, val: Float32, is_max: cutlass.Constexpr, bufs, row_in_cta: Int32,
+                   lane: Int32, cta_rank: Int32) -> Float32:
+        """Reduce `val` over the whole row (all warps of the row, all CTAs of the cluster)."""
+        t = self.t
+        op = ptx.fmax_nan if const_expr(is_max) else (lambda a, b: a + b)
+        warp_buf, cta_buf = bufs
+        val = cute.arch.warp_reduction(val, op, threads_in_group=min(32, t.threads_per_row))
+        if const_expr(t.warps_per_row > 1):
+            if lane % 32 == 0:
+                warp_buf[row_in_cta, lane // 32] = val
+            cute.arch.barrier()
+            val = warp_buf[row_in_cta, 0]
+            for w in cutlass.range_constexpr(1, t.warps_per_row):
+                val = op(val, warp_buf[row_in_cta, w])
+        if const_expr(t.cluster_n > 1):
+            if lane == 0:
+                addr = ptx.smem_ptr_u32((cta_buf.iterator + cta_buf.layout((row_in_cta, cta_rank))))
+                for c in cutlass.range_constexpr(t.cluster_n):
+                    ptx.st_shared_cluster_f32(addr, Int32(c), val)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            val = cta_buf[row_in_cta, 0]
+            for c in cutlass.range_constexpr(1, t.cluster_n):
+                val = op(val, cta_buf[row_in_cta, c])
+        return val
+
+    # ---- block scales --------------------------------------------------------------------------
+    @cute.jit
+    def _block_scale(self, amax: Float32, global_scale: Float32):
+        """(stored scale value, multiplier applied to y) for one block or row."""
+        kind = self.q.kind
+        stored = Float32(0.0)
+        inv = Float32(0.0)
+        if const_expr(kind in ("fp8_per_token", "fp8_per_group")):
+            s = ptx.div_rn(ptx.fmax_nan(amax, Float32(PER_TOKEN_MIN_AMAX)), Float32(FP8_MAX))
+            if const_expr(self.q.ue8m0):
+                b = ptx.f32_bits(s)
+                e = (b >> 23) + Int32((b & 0x7FFFFF) != 0)
+                s = ptx.bits_f32(e << 23)
+            stored = s
+            inv = ptx.rcp_rn(s)
+        elif const_expr(kind == "nvfp4"):
+            sf = ptx.e4m3x2(Float32(0.0), global_scale * (amax * ptx.rcp_rn(Float32(FP4_MAX)))) & 0xFF
+            sf_f = ptx.e4m3_to_f32(sf)
+            stored = Float32(sf)  # carried as a number, stored as a byte
+            inv = Float32(0.0)
+            if sf_f != Float32(0.0):
+                inv = ptx.rcp_rn(sf_f * ptx.rcp_rn(global_scale))
+        else:  # mxfp8 / mxfp4
+            v = ptx.div_rn(amax, Float32(FP4_MAX if self.q.fp4 else FP8_MAX))
+            b = ptx.f32_bits(v)
+            code = ((b >> 23) & 0xFF) + Int32((b & 0x7FFFFF) != 0)
+            if code > 255:
+                code = Int32(255)
+            stored = Float32(code)
+            # 2^(127 - code): normal for code <= 253, subnormal 2^-127 for 254, NaN for 255
+            inv_bits = (254 - code) << 23
+            if code == 254:
+                inv_bits = Int32(1 << 22)
+            if code == 255:
+                inv_bits = Int32(0x7FC00000)
+            inv = ptx.bits_f32(inv_bits)
+        return stored, inv
+
+    # ---- packing -------------------------------------------------------------------------------
+    @cute.jit
+    def _e2m1_code(self, v: Float32) -> Int32:
+        a = ptx.fabs(v)
+        c = Int32(a > Float32(0.25)) + Int32(a >= Float32(0.75)) + Int32(a > Float32(1.25))
+        c = c + Int32(a >= Float32(1.75)) + Int32(a > Float32(2.5)) + Int32(a >= Float32(3.5))
+        c = c + Int32(a > Float32(5.0))
+        sign = (ptx.f32_bits(v) >> 28) & 0x8
+        return c | sign
+
+    @cute.jit
+    def _store_q(self, rY, j: cutlass.Constexpr, inv: Float32, tQ, vidx: Int32):
+        """Quantize the 8 values of vector j (scaled by inv) and store them as int32 words."""
+        if const_expr(self.q.fp4):
+            word = Int32(0)
+            for e in cutlass.range_constexpr(VEC):
+                word = word | (self._e2m1_code(rY[j * VEC + e] * inv) << (4 * e))
+            tQ[vidx] = word
+        else:
+            rW = cute.make_rmem_tensor(cute.make_layout(2), Int32)
+            for w in cutlass.range_constexpr(2):
+                b = 4 * w
+                lo = ptx.e4m3x2(rY[j * VEC + b + 1] * inv, rY[j * VEC + b] * inv)
+                hi = ptx.e4m3x2(rY[j * VEC + b + 3] * inv, rY[j * VEC + b + 2] * inv)
+                rW[w] = lo | (hi << 16)
+            tQ[(None, vidx)].store(rW.load())
+
+    @cute.jit
+    def _store_scale(self, mS, row: Int32, blk: Int32, value: Float32):
+        if const_expr(self.q.kind in ("fp8_per_token", "fp8_per_group")):
+            mS[row, blk] = value
+        elif const_expr(self.q.swizzled):
+            kp = (self.t.hidden // self.q.block + 3) // 4 * 4
+            off = ((row >> 7) * (kp // 4) + (blk >> 2)) * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4 + (blk & 3)
+            mS[off] = cutlass.Uint8(Int32(value))
+        else:
+            mS[row, blk] = cutlass.Uint8(Int32(value))
+
+    # ---- the epilogue --------------------------------------------------------------------------
+    @cute.jit
+    def epilogue(self, rH, row: Int32, row_valid, scale_valid, lane: Int32, row_in_cta: Int32,
+                 cta_rank: Int32, eps: Float32, mW, mY, mQ, mS, static_inv: Float32,
+                 global_scale: Float32, bufs):
+        """rH: float32 register fragment [vecs_per_thread * 8] of h for this thread's vectors.
+
+        Writes T(y) to mY (when write_y), q to mQ (int32 words) and scales to mS. Threads of padded
+        rows (row_valid False, scale_valid True: swizzled-scale padding) compute on zeros and store
+        only scales; threads past both store nothing.
+        All threads of the CTA must call this (it synchronizes).
+        """
+        t = self.t
+        nv = t.vecs_per_thread
+        vbase = cta_rank * t.vecs_per_cta_row
+        # sum of squares (tail vectors of a ragged row hold zeros)
+        ss = Float32(0.0)
+        for i in cutlass.range_constexpr(nv * VEC):
+            ss = ss + rH[i] * rH[i]
+        ss = self.row_reduce(ss, False, bufs[0], row_in_cta, lane, cta_rank)
+        r = ptx.rsqrt_rn(ptx.div_rn(ss, Float32(t.hidden)) + eps)
+        # y = (h * r) * w, kept in registers (reusing rH)
+        tW = cute.zipped_divide(mW, (VEC,))
+        for j in cutlass.range_constexpr(nv):
+            v = lane + j * t.threads_per_row
+            if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                w = tW[(None, vbase + v)].load().to(Float32)
+                for e in cutlass.range_constexpr(VEC):
+                    wf = w[e]
+                    if const_expr(self.gemma):
+                        wf = Float32(1.0) + wf
+                    rH[j * VEC + e] = (rH[j * VEC + e] * r) * wf
+        if const_expr(self.write_y):
+            if row_valid:
+                tY = cute.zipped_divide(mY[row, None], (VEC,))
+                for j in cutlass.range_constexpr(nv):
+                    v = lane + j * t.threads_per_row
+                    if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                        tY[(None, vbase + v)].store(self._slice(rH, j).load().to(mY.element_type))
+        if const_expr(self.q.kind != "none"):
+            self._quantize(rH, row, row_valid, scale_valid, lane, row_in_cta, cta_rank, mQ, mS,
+                           static_inv, global_scale, bufs)
+
+    def _slice(self, rH, j: int):
+        """The 8-element register view of vector j."""
+        return cute.make_tensor(rH.iterator + j * VEC, cute.make_layout(VEC))
+
+    @cute.jit
+    def _quantize(self, rY, row: Int32, row_valid, scale_valid, lane: Int32, row_in_cta: Int32,
+                  cta_rank: Int32, mQ, mS, static_inv: Float32, global_scale: Float32, bufs):
+        t = self.t
+        q = self.q
+        nv = t.vecs_per_thread
+        vbase = cta_rank * t.vecs_per_cta_row
+        if const_expr(q.fp4):
+            tQ = mQ[row, None]
+        else:
+            tQ = cute.zipped_divide(mQ[row, None], (2,))
+        if const_expr(q.kind == "fp8"):
+            for j in cutlass.range_constexpr(nv):
+                v = lane + j * t.threads_per_row
+                if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                    if row_valid:
+                        self._store_q(rY, j, static_inv, tQ, vbase + v)
+        elif const_expr(q.kind == "fp8_per_token"):
+            amax = Float32(0.0)
+            for i in cutlass.range_constexpr(nv * VEC):
+                amax = ptx.fmax_nan(amax, ptx.fabs(rY[i]))
+            amax = self.row_reduce(amax, True, bufs[1], row_in_cta, lane, cta_rank)
+            stored, inv = self._block_scale(amax, global_scale)
+            if row_valid:
+                if lane == 0 and cta_rank == 0:
+                    self._store_scale(mS, row, Int32(0), stored)
+                for j in cutlass.range_constexpr(nv):
+                    v = lane + j * t.threads_per_row
+                    if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                        self._store_q(rY, j, inv, tQ, vbase + v)
+        else:  # blocked formats: a block is `lanes` consecutive lanes of one vector column j
+            lanes = q.block // VEC
+            for j in cutlass.range_constexpr(nv):
+                v = lane + j * t.threads_per_row
+                amax = Float32(0.0)
+                for e in cutlass.range_constexpr(VEC):
+                    amax = ptx.fmax_nan(amax, ptx.fabs(rY[j * VEC + e]))
+                if const_expr(lanes > 1):
+                    amax = cute.arch.warp_reduction(amax, ptx.fmax_nan, threads_in_group=lanes)
+                stored, inv = self._block_scale(amax, global_scale)
+                if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                    blk = (vbase + v) // lanes
+                    if lane % lanes == 0 and scale_valid:
+                        self._store_scale(mS, row, blk, stored)
+                    if row_valid:
+                        self._store_q(rY, j, inv, tQ, vbase + v)
+            if const_expr(q.swizzled):
+                # zero the padding columns of the 128x4 layout (padded rows get zeros from y = 0)
+                k = t.hidden // q.block
+                kp = (k + 3) // 4 * 4
+                if const_expr(kp > k):
+                    if lane == 0 and cta_rank == 0 and scale_valid:
+                        for c in cutlass.range_constexpr(k, kp):
+                            self._store_scale(mS, row, Int32(c), Float32(0.0))

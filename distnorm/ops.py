@@ -1,0 +1,248 @@
+"""User-facing single-GPU op: argument checks, output allocation, dispatch.
+
+`add_rmsnorm` is registered as the `torch.library` custom op `distnorm::add_rmsnorm_out` (outputs
+passed in and mutated), with a fake implementation for tracing, the CuTe kernel for CUDA tensors and
+the reference for CPU tensors. In eager mode the wrapper calls the implementation directly: the
+custom-op dispatcher costs several microseconds of host time that a decode step cannot spare.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .formats import (NormQuantOutput, QuantSpec, check_hidden, empty_scales, make_quant_spec,
+                      q_dtype, q_shape, scales_geometry)
+
+ACT_DTYPES = (torch.bfloat16, torch.float16)
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+# ---- argument checks (shared with the all-reduce ops) -------------------------------------------
+
+def check_rows(name: str, t, like: Optional[Tensor], shape, dtype=None) -> None:
+    """ValueError/TypeError naming `name` unless t is a [M, H] tensor on like's device, last dim
+    contiguous, rows 16-byte aligned (what the kernels' 128-bit accesses need)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    want = dtype if dtype is not None else (like.dtype if like is not None else None)
+    if want is not None and t.dtype != want:
+        raise ValueError(f"{name} must have dtype {want}, got {t.dtype}")
+    if want is None and t.dtype not in ACT_DTYPES:
+        raise ValueError(f"{name} must be bfloat16 or float16, got {t.dtype}")
+    if like is not None and t.device != like.device:
+        raise ValueError(f"{name} must be on {like.device}, got {t.device}")
+    if t.dim() == 2 and t.shape[0] > 0 and t.is_cuda:
+        if t.stride(1) != 1 and t.shape[1] > 1:
+            raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+        if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            raise ValueError(f"{name} rows must start at 16-byte aligned addresses "
+                             f"(row stride {t.stride(0)} elements, data_ptr {t.data_ptr():#x})")
+
+
+def check_scalar_f32(name: str, t, device) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a float32 tensor of one element, got {type(t).__name__}")
+    if t.dtype != torch.float32 or t.numel() != 1:
+        raise ValueError(f"{name} must be a float32 tensor of one element, got {t.dtype} {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def check_inputs(x, residual, weight, spec: Optional[QuantSpec], scale, global_scale, eps) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be a 2-D [M, H] tensor, got shape {tuple(x.shape)}")
+    check_rows("x", x, None, x.shape)
+    check_hidden(spec, x.shape[1])
+    if residual is not None:
+        check_rows("residual", residual, x, x.shape)
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if tuple(weight.shape) != (x.shape[1],) or weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(f"weight must be a [{x.shape[1]}] {x.dtype} tensor on {x.device}, got "
+                         f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    if x.is_cuda and weight.stride(0) != 1:
+        raise ValueError("weight must be contiguous")
+    if not isinstance(eps, (float, int)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    kind = spec.kind if spec is not None else None
+    if kind == "fp8":
+        if scale is None:
+            raise ValueError("scale is required for quant='fp8' (static per-tensor scale, float32 [1])")
+        check_scalar_f32("scale", scale, x.device)
+    if kind == "nvfp4":
+        if global_scale is None:
+            raise ValueError("global_scale is required for quant='nvfp4' (float32 [1], usually 448*6/amax)")
+        check_scalar_f32("global_scale", global_scale, x.device)
+
+
+def allocate_outputs(x: Tensor, spec: Optional[QuantSpec], has_residual: bool, want_y: bool,
+                     residual_out, y_out, q_out, scales_out):
+    """Allocate the outputs the caller did not pass; check the ones they did."""
+    M, H = x.shape
+    if has_residual:
+        if residual_out is None:
+            residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        else:
+            check_rows("residual_out", residual_out, x, x.shape)
+    if want_y:
+        if y_out is None:
+            y_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        else:
+            check_rows("y_out", y_out, x, x.shape)
+    if spec is not None:
+        if q_out is None:
+            q_out = torch.empty(q_shape(spec, M, H), dtype=q_dtype(spec), device=x.device)
+        else:
+            check_rows("q_out", q_out, x, q_shape(spec, M, H), dtype=q_dtype(spec))
+        geo = scales_geometry(spec, M, H)
+        if geo is not None:
+            if scales_out is None:
+                scales_out = empty_scales(spec, M, H, x.device)
+            elif (tuple(scales_out.shape), tuple(scales_out.stride()), scales_out.dtype) != geo or \
+                    scales_out.device != x.device:
+                raise ValueError(f"scales_out must have shape {geo[0]}, strides {geo[1]}, dtype {geo[2]} "
+                                 f"on {x.device}; got {tuple(scales_out.shape)}, {scales_out.stride()}, "
+                                 f"{scales_out.dtype} on {scales_out.device}")
+    return residual_out, y_out, q_out, scales_out
+
+
+# ---- kernel dispatch ----------------------------------------------------------------------------
+
+def quant_params(spec: Optional[QuantSpec]):
+    from .kernels.norm_quant import QuantParams
+
+    if spec is None:
+        return QuantParams()
+    return QuantParams(spec.kind, spec.group_size, spec.sf_layout == "swizzled",
+                       spec.scale_major == "col", spec.scale_ue8m0)
+
+
+def kernel_views(spec: Optional[QuantSpec], q: Optional[Tensor], scales: Optional[Tensor]):
+    """The int32 / uint8 views the kernels take (see kernels/compile.py)."""
+    if spec is None:
+        return None, None
+    qv = q.view(torch.uint8).view(torch.int32)
+    sv = None
+    if scales is not None:
+        if spec.block_scaled:
+            sv = scales.view(torch.uint8)
+            if spec.sf_layout == "swizzled":
+                sv = sv.view(-1)
+        else:
+            sv = scales
+    return qv, sv
+
+
+def cluster_for(H: int, M: int) -> int:
+    """Thread-block cluster size: split a row over 2 CTAs when rows are long and few.
+
+    Measured on H200 (benchmarks/single_gpu.md): below the row count where one CTA per row already
+    fills the 132 SMs, a 2-CTA cluster shortens each row's critical path for H >= 16384.
+    """
+    return 2 if H >= 16384 and M <= 512 else 1
+
+
+def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,
+                          y_out, q_out, scales_out) -> None:
+    from .kernels.compile import compiled_fused_norm
+
+    M, H = x.shape
+    if M == 0:
+        return
+    kernel = compiled_fused_norm(_DTYPE_NAMES[x.dtype], H, quant_params(spec), residual is not None,
+                                 gemma, y_out is not None, cluster_for(H, M))
+    qv, sv = kernel_views(spec, q_out, scales_out)
+    kernel(x, residual, residual_out, weight, y_out, qv, sv, scale, global_scale, float(eps))
+
+
+def _run_reference(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
+                   q_out, scales_out) -> None:
+    from .reference import add_rmsnorm_ref
+
+    ref = add_rmsnorm_ref(x, residual, weight, eps, quant=spec, scale=scale,
+                          global_scale=global_scale, gemma=gemma, norm_out=y_out is not None)
+    for out, val in ((residual_out, ref.residual), (y_out, ref.y), (q_out, ref.q)):
+        if out is not None:
+            out.copy_(val)
+    if scales_out is not None and spec is not None and spec.kind != "fp8":
+        scales_out.copy_(ref.scales)
+
+
+def _impl(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out, q_out,
+          scales_out) -> None:
+    if x.is_cuda:
+        run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma,
+                              residual_out, y_out, q_out, scales_out)
+    else:
+        _run_reference(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,
+                       y_out, q_out, scales_out)
+
+
+# ---- torch.library registration -----------------------------------------------------------------
+# The quant spec travels through the op schema as strings/ints (schemas take no dataclasses).
+
+def spec_to_args(spec: Optional[QuantSpec]):
+    if spec is None:
+        return "none", 0, "linear", "row", False
+    return spec.kind, spec.group_size, spec.sf_layout, spec.scale_major, spec.scale_ue8m0
+
+
+def spec_from_args(kind: str, group_size: int, sf_layout: str, scale_major: str, ue8m0: bool):
+    if kind == "none":
+        return None
+    return QuantSpec(kind, group_size, sf_layout, scale_major, ue8m0)
+
+
+@torch.library.custom_op("distnorm::add_rmsnorm_out",
+                         mutates_args=("residual_out", "y_out", "q_out", "scales_out"))
+def _add_rmsnorm_out(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
+                     kind: str, group_size: int, sf_layout: str, scale_major: str, ue8m0: bool,
+                     scale: Optional[Tensor], global_scale: Optional[Tensor], gemma: bool,
+                     residual_out: Optional[Tensor], y_out: Optional[Tensor], q_out: Optional[Tensor],
+                     scales_out: Optional[Tensor]) -> None:
+    spec = spec_from_args(kind, group_size, sf_layout, scale_major, ue8m0)
+    _impl(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out, q_out,
+          scales_out)
+
+
+@_add_rmsnorm_out.register_fake
+def _(x, residual, weight, eps, kind, group_size, sf_layout, scale_major, ue8m0, scale,
+      global_scale, gemma, residual_out, y_out, q_out, scales_out) -> None:
+    return None
+
+
+def add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-6, *,
+                quant: Optional[str] = None, scale: Optional[Tensor] = None,
+                global_scale: Optional[Tensor] = None, group_size: int = 128,
+                sf_layout: str = "swizzled", scale_major: str = "row", scale_ue8m0: bool = False,
+                gemma: bool = False, norm_out: bool = False, residual_out: Optional[Tensor] = None,
+                y_out: Optional[Tensor] = None, q_out: Optional[Tensor] = None,
+                scales_out: Optional[Tensor] = None) -> NormQuantOutput:
+    """Fused [residual add] + RMSNorm [+ quantization] on one GPU (or the reference on CPU).
+
+    x, residual: [M, H] bf16/fp16, rows may be strided (last dim contiguous, 16-byte aligned rows);
+    weight: [H] of x's dtype. quant: None | "fp8" | "fp8_per_token" | "fp8_per_group" | "nvfp4" |
+    "mxfp8" | "mxfp4" (docs/SEMANTICS.md); fp8 needs `scale`, nvfp4 `global_scale` (float32 [1]).
+    Returns NormQuantOutput(residual=h [M, H] when a residual is given, y=T(y) when norm_out or no
+    quant, q, scales). Outputs passed in are written in place (residual_out may be `residual`).
+    """
+    spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
+                           scale_major=scale_major, scale_ue8m0=scale_ue8m0)
+    check_inputs(x, residual, weight, spec, scale, global_scale, eps)
+    want_y = norm_out or spec is None or y_out is not None
+    residual_out, y_out, q_out, scales_out = allocate_outputs(
+        x, spec, residual is not None, want_y, residual_out, y_out, q_out, scales_out)
+    if torch.compiler.is_compiling():
+        _add_rmsnorm_out(x, residual, weight, float(eps), *spec_to_args(spec), scale, global_scale,
+                         gemma, residual_out, y_out, q_out, scales_out)
+    else:
+        _impl(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
+              q_out, scales_out)
+    scales = scale if spec is not None and spec.kind == "fp8" else scales_out
+    return NormQuantOutput(residual_out, y_out, q_out, scales, None)

@@ -1,0 +1,179 @@
+"""Single-GPU fused add + RMSNorm + quant: achieved bandwidth of every variant over M x H, side by
+side with the eager reference chain and torch.compile of it, in one run.
+
+    python benchmarks/bench_single_gpu.py --out benchmarks/results/single_gpu   [--quick]
+
+Bytes are counted as DESIGN.md does: read x and residual, write the new residual and the outputs
+(y for no-quant, q and scales otherwise); the weight is ignored. Writes <out>.md, <out>.json, <out>.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import copy_bandwidth_tbs, time_graph_us  # noqa: E402
+
+import distnorm  # noqa: E402
+from distnorm import formats  # noqa: E402
+from distnorm.reference import add_rmsnorm_ref  # noqa: E402
+
+VARIANTS = {
+    "none": (None, {}),
+    "fp8": ("fp8", {}),
+    "fp8_per_token": ("fp8_per_token", {}),
+    "fp8_group128": ("fp8_per_group", {"group_size": 128}),
+    "nvfp4": ("nvfp4", {"sf_layout": "swizzled"}),
+    "mxfp8": ("mxfp8", {"sf_layout": "swizzled"}),
+    "mxfp4": ("mxfp4", {"sf_layout": "swizzled"}),
+}
+COMPILED_BASELINES = ("none", "fp8", "fp8_per_token", "nvfp4")
+
+
+def count_bytes(spec, M, H, esize=2):
+    b = 3 * M * H * esize
+    if spec is None:
+        return b + M * H * esize
+    b += M * H // (2 if spec.packed_fp4 else 1)
+    geo = formats.scales_geometry(spec, M, H)
+    if geo is not None:
+        n = 1
+        for d in geo[0]:
+            n *= d
+        b += n * geo[2].itemsize
+    return b
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/single_gpu")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args()
+    Ms = [1, 16, 128, 1024, 4096, 16384, 65536]
+    Hs = [1536, 4096, 8192, 16384, 32768]
+    variants = list(VARIANTS)
+    if args.quick:
+        Ms, Hs, variants = [1, 1024, 16384], [4096, 16384], ["none", "fp8", "nvfp4"]
+    dev = torch.cuda.get_device_name()
+    copy_bw = copy_bandwidth_tbs()
+    empty = time_graph_us(lambda: torch.cuda._sleep(0))
+    host = host_time_us()
+    print(f"device {dev}; copy {copy_bw:.2f} TB/s; empty launch {empty:.2f} us; eager host time {host}", flush=True)
+    rows = []
+    compiled = {}
+    for vname in variants:
+        quant, opts = VARIANTS[vname]
+        spec = formats.make_quant_spec(quant, **opts)
+        for H in Hs:
+            w = (torch.rand(H, device="cuda") + 0.5).to(torch.bfloat16)
+            for M in Ms:
+                x = torch.randn(M, H, device="cuda").to(torch.bfloat16)
+                r = torch.randn(M, H, device="cuda").to(torch.bfloat16)
+                kw = dict(quant=quant, **opts)
+                if quant == "fp8":
+                    kw["scale"] = torch.tensor([0.05], device="cuda")
+                if quant == "nvfp4":
+                    kw["global_scale"] = torch.tensor([200.0], device="cuda")
+                out = distnorm.add_rmsnorm(x, r, w, 1e-6, **kw)
+                outs = dict(residual_out=out.residual, y_out=out.y, q_out=out.q,
+                            scales_out=out.scales if quant != "fp8" else None)
+                us = time_graph_us(lambda: distnorm.add_rmsnorm(x, r, w, 1e-6, **kw, **outs))
+                nbytes = count_bytes(spec, M, H)
+                row = dict(variant=vname, M=M, H=H, us=us, tbs=nbytes / us / 1e6, bytes=nbytes)
+                if M * H <= (1 << 27):
+                    row["eager_us"] = time_graph_us(lambda: add_rmsnorm_ref(x, r, w, 1e-6, **kw), calls_per_graph=2, repeats=5)
+                if vname in COMPILED_BASELINES and not args.no_compile and M * H <= (1 << 28):
+                    if vname not in compiled:
+                        compiled[vname] = torch.compile(add_rmsnorm_ref, dynamic=True)
+                    fn = compiled[vname]
+                    try:
+                        row["compile_us"] = time_graph_us(lambda: fn(x, r, w, 1e-6, **kw), calls_per_graph=5, repeats=10)
+                    except Exception as e:  # keep the run going; say why
+                        row["compile_err"] = repr(e)[:120]
+                row["pct_copy"] = 100 * row["tbs"] / copy_bw
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del x, r, out, outs
+        torch.cuda.empty_cache()
+    meta = dict(device=dev, copy_tbs=copy_bw, empty_launch_us=empty, host_us=host, command=" ".join(sys.argv),
+                torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    write_table(args.out + ".md", meta, rows)
+    try:
+        write_heatmap(args.out + ".png", rows, variants, Ms, Hs, copy_bw)
+    except Exception as e:  # matplotlib missing: the table is the result
+        print("no heatmap:", e)
+
+
+def host_time_us(n: int = 2000) -> dict:
+    """Host microseconds of one eager call at M=1 (outputs passed in / allocated), no sync inside."""
+    x = torch.randn(1, 4096, device="cuda").to(torch.bfloat16)
+    r, w = torch.randn_like(x), torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    s = torch.tensor([0.05], device="cuda")
+    out = distnorm.add_rmsnorm(x, r, w, 1e-6, quant="fp8", scale=s)
+    res = {}
+    for name, fn in (("fp8_outputs_passed", lambda: distnorm.add_rmsnorm(x, r, w, 1e-6, quant="fp8", scale=s, residual_out=out.residual, q_out=out.q)),
+                     ("fp8_allocating", lambda: distnorm.add_rmsnorm(x, r, w, 1e-6, quant="fp8", scale=s))):
+        for _ in range(100):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        res[name] = round((time.perf_counter() - t) / n * 1e6, 2)
+        torch.cuda.synchronize()
+    return res
+
+
+def write_table(path, meta, rows):
+    lines = [f"# Single-GPU fused add+RMSNorm+quant, bf16", "",
+             f"Device: {meta['device']}; copy bandwidth {meta['copy_tbs']:.2f} TB/s (read+write); "
+             f"empty kernel launch in a graph {meta['empty_launch_us']:.2f} us; torch {meta['torch']}; {meta['date']}.",
+             f"Host time of one eager call (M=1, H=4096, fp8): {meta['host_us']} us.",
+             f"Command: `{meta['command']}`", "",
+             "| variant | M | H | distnorm us | TB/s | % copy | eager ref us | torch.compile us | speedup vs compile |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        c = r.get("compile_us")
+        lines.append(f"| {r['variant']} | {r['M']} | {r['H']} | {r['us']:.2f} | {r['tbs']:.2f} | {r['pct_copy']:.0f}% | "
+                     f"{r.get('eager_us', float('nan')):.1f} | {c if c is None else round(c, 2)} | "
+                     f"{'' if c is None else f'{c / r['us']:.2f}x'} |")
+    open(path, "w").write("\n".join(lines) + "\n")
+
+
+def write_heatmap(path, rows, variants, Ms, Hs, copy_bw):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fig, axes = plt.subplots(1, len(variants), figsize=(3.2 * len(variants), 3.6), squeeze=False)
+    for ax, v in zip(axes[0], variants):
+        grid = np.full((len(Hs), len(Ms)), np.nan)
+        for r in rows:
+            if r["variant"] == v:
+                grid[Hs.index(r["H"]), Ms.index(r["M"])] = r["pct_copy"]
+        im = ax.imshow(grid, vmin=0, vmax=100, cmap="viridis", origin="lower")
+        for i in range(len(Hs)):
+            for j in range(len(Ms)):
+                if not np.isnan(grid[i, j]):
+                    ax.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", fontsize=7, color="w")
+        ax.set_xticks(range(len(Ms)), [str(m) for m in Ms], fontsize=6, rotation=45)
+        ax.set_yticks(range(len(Hs)), [str(h) for h in Hs], fontsize=6)
+        ax.set_title(v, fontsize=8)
+        ax.set_xlabel("M", fontsize=7)
+    axes[0][0].set_ylabel("H", fontsize=7)
+    fig.suptitle(f"% of copy bandwidth ({copy_bw:.2f} TB/s), bf16", fontsize=9)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
+    fig.savefig(path, dpi=130)
+
+
+if __name__ == "__main__":
+    main()

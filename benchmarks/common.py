@@ -1,0 +1,43 @@
+"""Timing helpers shared by the benchmarks: CUDA-graph replays timed with events, median of repeats."""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+
+def time_graph_us(fn: Callable[[], object], calls_per_graph: int = 20, repeats: int = 20,
+                  warmup: int = 3) -> float:
+    """Median microseconds per call of `fn`, captured `calls_per_graph` times in one CUDA graph."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(g, stream=stream):
+            for _ in range(calls_per_graph):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(repeats):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls_per_graph)
+    del g
+    return statistics.median(times)
+
+
+def copy_bandwidth_tbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written) in TB/s."""
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = time_graph_us(lambda: b.copy_(a), calls_per_graph=5, repeats=10)
+    return 2 * a.numel() / (us * 1e-6) / 1e12

@@ -1,0 +1,127 @@
+"""GPU tests of the single-GPU fused kernel against distnorm.reference (skipped without CUDA).
+
+Every variant x {bf16, fp16} x H x M, fresh random inputs, outputs poisoned first, every element
+checked (bounds: tests/quant_check.py). Set DISTNORM_QUICK=1 for a reduced grid.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import distnorm
+from distnorm import formats
+from distnorm.reference import add_rmsnorm_ref
+from quant_check import assert_quant_close, assert_y_close, poison_like
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (quant, options) for every format and layout; "none" also runs the Gemma variant
+VARIANTS = {
+    "none": (None, {}),
+    "none_gemma": (None, {"gemma": True}),
+    "fp8": ("fp8", {}),
+    "fp8_per_token": ("fp8_per_token", {}),
+    "fp8_g128": ("fp8_per_group", {"group_size": 128}),
+    "fp8_g64_col_ue8m0": ("fp8_per_group", {"group_size": 64, "scale_major": "col", "scale_ue8m0": True}),
+    "fp8_g128_col": ("fp8_per_group", {"group_size": 128, "scale_major": "col"}),
+    "nvfp4_swizzled": ("nvfp4", {"sf_layout": "swizzled"}),
+    "nvfp4_linear": ("nvfp4", {"sf_layout": "linear"}),
+    "mxfp8_swizzled": ("mxfp8", {"sf_layout": "swizzled"}),
+    "mxfp8_linear": ("mxfp8", {"sf_layout": "linear"}),
+    "mxfp4_swizzled": ("mxfp4", {"sf_layout": "swizzled"}),
+    "mxfp4_linear": ("mxfp4", {"sf_layout": "linear"}),
+}
+QUICK = os.environ.get("DISTNORM_QUICK") == "1"
+HIDDEN = [256, 4096, 32768] if QUICK else [256, 1536, 4096, 5120, 8192, 16384, 32768]
+TOKENS = [0, 1, 7, 128, 4099] if not QUICK else [1, 7, 4099]
+
+
+def make_inputs(M, H, dtype, seed, row_pad=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    big = torch.randn(M, H + row_pad, generator=g, device="cuda", dtype=torch.float32) * 3
+    x = big.to(dtype)[:, :H]
+    res = torch.randn(M, H, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+    w = (torch.rand(H, generator=g, device="cuda") + 0.5).to(dtype)
+    return x, res, w
+
+
+def run_and_check(variant, dtype, M, H, *, residual=True, in_place=False, row_pad=0, seed=0):
+    quant, opts = VARIANTS[variant]
+    x, res, w = make_inputs(M, H, dtype, seed + M * 31 + H, row_pad)
+    scale = torch.tensor([0.05], device="cuda")
+    gs = torch.tensor([448 * 6 / 12.0], device="cuda")
+    kw = dict(quant=quant, **opts)
+    if quant == "fp8":
+        kw["scale"] = scale
+    if quant == "nvfp4":
+        kw["global_scale"] = gs
+    spec = formats.make_quant_spec(quant, **{k: v for k, v in opts.items() if k != "gemma"})
+    ref = add_rmsnorm_ref(x, res if residual else None, w, 1e-6, norm_out=True, **kw)
+    outs = {}
+    if residual:
+        outs["residual_out"] = res if in_place else poison_like(torch.empty_like(res))
+    outs["y_out"] = poison_like(torch.empty(M, H, dtype=dtype, device="cuda"))
+    if spec is not None:
+        outs["q_out"] = poison_like(torch.empty(formats.q_shape(spec, M, H), dtype=formats.q_dtype(spec), device="cuda"))
+        if formats.scales_geometry(spec, M, H) is not None:
+            outs["scales_out"] = poison_like(formats.empty_scales(spec, M, H, "cuda"))
+    res_in = res.clone() if in_place else res
+    out = distnorm.add_rmsnorm(x, res_in if not in_place else res, w, 1e-6, norm_out=True, **kw, **outs)
+    torch.cuda.synchronize()
+    if residual:
+        assert torch.equal(out.residual.view(torch.int16), ref.residual.view(torch.int16)), "residual not bitwise equal"
+    assert_y_close(out.y, ref.y)
+    if spec is not None:
+        assert_quant_close(out.q, out.scales, ref, spec, M, H, scale=kw.get("scale"), global_scale=kw.get("global_scale"))
+
+
+@pytest.mark.parametrize("M", TOKENS)
+@pytest.mark.parametrize("H", HIDDEN)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fused_norm(variant, dtype, H, M):
+    quant, _ = VARIANTS[variant]
+    spec = formats.make_quant_spec(quant)
+    if H % formats.hidden_multiple(spec):
+        pytest.skip(f"H={H} is not a multiple of {variant}'s block")
+    run_and_check(variant, dtype, M, H)
+
+
+@pytest.mark.parametrize("variant", ["none", "fp8_per_token", "nvfp4_swizzled"])
+def test_no_residual_strided_in_place(variant):
+    run_and_check(variant, torch.bfloat16, 300, 4096, residual=False, row_pad=64)
+    run_and_check(variant, torch.bfloat16, 300, 4096, residual=True, in_place=True, row_pad=64)
+
+
+def test_cuda_graph_and_compile():
+    x, res, w = make_inputs(64, 4096, torch.bfloat16, 7)
+    scale = torch.tensor([0.05], device="cuda")
+    ref = add_rmsnorm_ref(x, res, w, 1e-6, quant="fp8", scale=scale)
+    out = distnorm.add_rmsnorm(x, res, w, 1e-6, quant="fp8", scale=scale)  # compile outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = distnorm.add_rmsnorm(x, res, w, 1e-6, quant="fp8", scale=scale)
+    for _ in range(3):
+        poison_like(out.q)
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.residual, ref.residual)
+    assert (out.q.view(torch.uint8) == ref.q.view(torch.uint8)).float().mean() > 0.999
+    f = torch.compile(lambda a, b, c: distnorm.add_rmsnorm(a, b, c, 1e-6, quant="fp8", scale=scale), fullgraph=True)
+    o2 = f(x, res, w)
+    assert torch.equal(o2.residual, ref.residual)
+    assert (o2.q.view(torch.uint8) == ref.q.view(torch.uint8)).float().mean() > 0.999
+
+
+def test_bad_inputs_on_gpu():
+    x, res, w = make_inputs(4, 4096, torch.bfloat16, 1)
+    with pytest.raises(ValueError, match="residual"):
+        distnorm.add_rmsnorm(x, res.half(), w)
+    with pytest.raises(ValueError, match="weight"):
+        distnorm.add_rmsnorm(x, res, w[:100])
+    with pytest.raises(ValueError, match="scale"):
+        distnorm.add_rmsnorm(x, res, w, quant="fp8")
+    with pytest.raises(ValueError, match="x rows"):
+        distnorm.add_rmsnorm(x.view(-1)[1:4097].view(1, 4096), None, w)

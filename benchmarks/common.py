@@ -41,3 +41,21 @@ def copy_bandwidth_tbs(nbytes: int = 2 << 30) -> float:
     b = torch.empty_like(a)
     us = time_graph_us(lambda: b.copy_(a), calls_per_graph=5, repeats=10)
     return 2 * a.numel() / (us * 1e-6) / 1e12
+
+
+def time_eager_us(fn: Callable[[], object], calls: int = 20, repeats: int = 10) -> float:
+    """Median microseconds per call of `fn` launched eagerly (no graph): for chains that cannot be
+    captured (they create tensors on the host)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(repeats):
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    return statistics.median(times)

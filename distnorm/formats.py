@@ -93,8 +93,9 @@ class QuantSpec:
         return self.group_size if self.group_size else 8
 
 
-def make_quant_spec(quant: Union[str, "QuantSpec", None], *, group_size: int = 128, sf_layout: str = "swizzled",
-                    scale_major: str = "row", scale_ue8m0: bool = False) -> Optional[QuantSpec]:
+def make_quant_spec(quant: Union[str, QuantSpec, None], *, group_size: int = 128,
+                    sf_layout: str = "swizzled", scale_major: str = "row",
+                    scale_ue8m0: bool = False) -> Optional[QuantSpec]:
     """Validate the user's quant options and return a QuantSpec (None for quant=None).
 
     `quant` may also be a QuantSpec, returned as is (the keyword options are then ignored).

@@ -20,9 +20,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from . import compat
-from .fused_norm import FusedAddRMSNormQuant
-from .norm_quant import QuantParams, choose_tiling
+from distnorm.kernels import compat
+from distnorm.kernels.fused_norm import FusedAddRMSNormQuant
+from distnorm.kernels.norm_quant import QuantParams, choose_tiling
 
 CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 

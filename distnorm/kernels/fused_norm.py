@@ -9,8 +9,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from . import ptx
-from .norm_quant import VEC, NormQuantCore, QuantParams, RowTiling
+from distnorm.kernels import ptx  # absolute: the 4.3.5 DSL preprocessor cannot resolve relative imports
+from distnorm.kernels.norm_quant import VEC, NormQuantCore, QuantParams, RowTiling
 
 
 class FusedAddRMSNormQuant:

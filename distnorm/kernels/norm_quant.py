@@ -18,7 +18,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from . import ptx
+from distnorm.kernels import ptx
 
 VEC = 8  # elements per 16-byte vector of bf16/fp16
 MAX_THREADS = 1024
@@ -312,12 +312,12 @@ class NormQuantCore:
                 amax = ptx.fmax_nan(amax, ptx.fabs(rY[i]))
             amax = self.row_reduce(amax, True, bufs[1], row_in_cta, lane, cta_rank)
             stored, inv = self._block_scale(amax, global_scale)
-            if row_valid:
-                if lane == 0 and cta_rank == 0:
-                    self._store_scale(mS, row, Int32(0), stored)
-                for j in cutlass.range_constexpr(nv):
-                    v = lane + j * t.threads_per_row
-                    if const_expr(t.exact) or v < t.vecs_per_cta_row:
+            if lane == 0 and cta_rank == 0 and row_valid:
+                self._store_scale(mS, row, Int32(0), stored)
+            for j in cutlass.range_constexpr(nv):
+                v = lane + j * t.threads_per_row
+                if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                    if row_valid:
                         self._store_q(rY, j, inv, tQ, vbase + v)
         else:  # blocked formats: a block is `lanes` consecutive lanes of one vector column j
             lanes = q.block // VEC

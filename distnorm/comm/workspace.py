@@ -1,0 +1,332 @@
+"""Symmetric workspace: same-size peer-mapped buffers and signal pads on every rank of a group.
+
+    from distnorm.launch import init_distributed
+    from distnorm.comm import Workspace
+
+    init_distributed()
+    with Workspace(buffer_bytes=64 << 20) as ws:       # group=None: WORLD (or MPI under mpirun)
+        mine = ws.peer_buffer(ws.rank, torch.bfloat16)   # my data region, as a tensor
+        left = ws.peer_buffer((ws.rank - 1) % ws.world_size, torch.bfloat16)
+        kernel(..., ws.buffer_ptrs, ws.signal_ptrs, ws.error_flag)   # int64 device tables
+        ws.raise_if_failed()
+
+Backends (same interface): ``"vmm"`` (CUDA VMM + POSIX fds, default), ``"torch_symm"``
+(PyTorch symmetric memory), ``"nvshmem"`` (nvshmem4py). ``"auto"`` tries them in that order. When
+the group spans nodes or its GPUs cannot reach each other (no P2P), the workspace is built without
+mappings: ``p2p_ok`` is False, ``fallback_reason`` says why, and callers use NCCL instead.
+
+Construction is collective over the group; ``close()`` is local except for the nvshmem backend
+(collective ``nvshmem.core.free``). Tensors from ``peer_buffer`` / ``peer_signal`` must not be
+used after ``close()``. Data regions and signal pads start zeroed, and no rank returns from the
+constructor before every rank has zeroed its pad.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import sys
+import warnings
+from typing import Any
+
+from distnorm.comm._views import tensor_from_ptr
+from distnorm.comm.bootstrap import Bootstrap, resolve_bootstrap
+from distnorm.comm.errors import ERROR_NAMES, ERROR_NONE, CommTimeoutError
+from distnorm.launch.env import apply_no_multicast_env
+
+__all__ = ["Workspace", "BACKENDS"]
+
+log = logging.getLogger(__name__)
+
+#: backend names, in the order ``backend="auto"`` tries them
+BACKENDS = ("vmm", "torch_symm", "nvshmem")
+_ERROR_WORDS = 4
+
+
+def _backend_class(name: str) -> Any:
+    if name == "vmm":
+        from distnorm.comm.vmm import VmmAllocation
+        return VmmAllocation
+    if name == "torch_symm":
+        from distnorm.comm.torch_symm import TorchSymmAllocation
+        return TorchSymmAllocation
+    from distnorm.comm.nvshmem import NvshmemAllocation
+    return NvshmemAllocation
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _resolve_device(device: Any) -> int:
+    import torch
+
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, bool):
+        raise TypeError("device must be None, an int, a str or a torch.device, got bool")
+    if isinstance(device, int):
+        index = device
+    elif isinstance(device, (str, torch.device)):
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"device must be a CUDA device, got {dev}")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+    else:
+        raise TypeError(f"device must be None, an int, a str or a torch.device, "
+                        f"got {type(device).__name__}")
+    if not 0 <= index < torch.cuda.device_count():
+        raise ValueError(f"device index {index} outside [0, {torch.cuda.device_count()})")
+    return index
+
+
+def _gpu_id(index: int) -> str:
+    """A name of GPU ``index`` that is the same in every process (UUID, else PCI address)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        return str(uuid)
+    return "pci:{}:{}:{}".format(*(getattr(props, k, "?") for k in
+                                   ("pci_domain_id", "pci_bus_id", "pci_device_id")))
+
+
+def _topology_problem(boot: Bootstrap, device_index: int) -> str | None:
+    """Collective: why this group cannot use peer mappings (same answer on all ranks), or None."""
+    import torch
+
+    uuids = [_gpu_id(i) for i in range(torch.cuda.device_count())]
+    me = {"host": socket.gethostname(), "boot": _boot_id(), "uuid": uuids[device_index]}
+    peers = boot.all_gather_object(me)
+    hosts = {(p["host"], p["boot"]) for p in peers}
+    if len(hosts) > 1:
+        return f"group spans {len(hosts)} nodes ({sorted(h for h, _ in hosts)})"
+    problem = None
+    for r, p in enumerate(peers):
+        if p["uuid"] == me["uuid"] or p["uuid"] not in uuids:
+            continue  # same GPU, or a GPU this process cannot see (checked when mapping)
+        other = uuids.index(p["uuid"])
+        if not torch.cuda.can_device_access_peer(device_index, other):
+            problem = f"GPU {device_index} cannot access GPU {other} (rank {r}) peer-to-peer"
+            break
+    problems = [x for x in boot.all_gather_object(problem) if x]
+    return problems[0] if problems else None
+
+
+class Workspace:
+    """Peer-mapped data regions and signal pads for one group. See the module docstring.
+
+    group: None, a torch.distributed ProcessGroup, an mpi4py communicator, or a Bootstrap.
+    buffer_bytes / signal_bytes: per-rank sizes of the data region and the signal pad.
+    backend: "auto", "vmm", "torch_symm" or "nvshmem"; an explicit backend that fails raises.
+    device: the local CUDA device (default: current).
+    timeout_s: how long to wait for peers while exchanging handles.
+    """
+
+    def __init__(self, group: Any = None, *, buffer_bytes: int = 64 << 20,
+                 signal_bytes: int = 1 << 20, backend: str = "auto", device: Any = None,
+                 timeout_s: float = 120.0) -> None:
+        self._closed = True  # until fully built: __del__ of a failed __init__ stays quiet
+        self._impl: Any = None
+        self.buffer_bytes = _positive_int("buffer_bytes", buffer_bytes)
+        self.signal_bytes = _positive_int("signal_bytes", signal_bytes)
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+        if backend != "auto" and backend not in BACKENDS:
+            raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        apply_no_multicast_env()
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("distnorm.comm.Workspace needs a CUDA device, but torch sees none "
+                               f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); "
+                               "use a CUDA build of torch on a machine with NVIDIA GPUs")
+        boot = resolve_bootstrap(group)
+        self._boot = boot
+        self.group = boot.group
+        self.rank, self.world_size = boot.rank, boot.world_size
+        self.device_index = _resolve_device(device)
+        self.device = torch.device("cuda", self.device_index)
+        self.backend = "none"
+        self.fallback_reason: str | None = None
+        self.buffer_ptrs_host: list[int] = []
+        self.signal_ptrs_host: list[int] = []
+        self.buffer_ptrs: Any = None
+        self.signal_ptrs: Any = None
+        with torch.cuda.device(self.device_index):
+            self.error_flag = torch.zeros(_ERROR_WORDS, dtype=torch.int32, pin_memory=True)
+            problem = _topology_problem(boot, self.device_index)
+            self.single_node = problem is None or not problem.startswith("group spans")
+            if problem is None:
+                self._impl, problem = self._open_backend(backend, boot, timeout_s)
+            if self._impl is None:
+                self.fallback_reason = problem
+                log.info("distnorm.comm.Workspace: no peer mappings (%s); use the NCCL path", problem)
+            else:
+                self.backend = self._impl.name
+                self.buffer_ptrs_host = list(self._impl.buffer_ptrs)
+                self.signal_ptrs_host = list(self._impl.signal_ptrs)
+                self.buffer_ptrs = torch.tensor(self.buffer_ptrs_host, dtype=torch.int64,
+                                                device=self.device)
+                self.signal_ptrs = torch.tensor(self.signal_ptrs_host, dtype=torch.int64,
+                                                device=self.device)
+        self._closed = False
+
+    def _open_backend(self, backend: str, boot: Bootstrap, timeout_s: float) -> tuple[Any, str | None]:
+        names = BACKENDS if backend == "auto" else (backend,)
+        failures: list[str] = []
+        for name in names:
+            try:
+                impl = _backend_class(name)(boot, self.buffer_bytes, self.signal_bytes,
+                                            self.device_index, timeout_s)
+            except Exception as e:
+                if backend != "auto":
+                    raise RuntimeError(f"Workspace backend {name!r} failed: "
+                                       f"{type(e).__name__}: {e}") from e
+                failures.append(f"{name}: {type(e).__name__}: {e}")
+                continue
+            if boot.rank == 0:
+                log.info("distnorm.comm.Workspace: backend %s for %d ranks%s", name,
+                         boot.world_size, f" ({'; '.join(failures)})" if failures else "")
+            return impl, None
+        reason = "no symmetric-memory backend worked: " + "; ".join(failures)
+        log.warning("distnorm.comm.Workspace: %s", reason)
+        return None, reason
+
+    # --- state -----------------------------------------------------------------------------
+    @property
+    def p2p_ok(self) -> bool:
+        """True when peers are mapped and kernels may use buffer_ptrs / signal_ptrs."""
+        return self._impl is not None and not self._closed
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def error_flag_ptr(self) -> int:
+        """Address of ``error_flag`` (pinned host memory; the same address works on the GPU)."""
+        return int(self.error_flag.data_ptr())
+
+    def _require_mapped(self) -> None:
+        if self._closed:
+            raise RuntimeError("Workspace is closed")
+        if self._impl is None:
+            raise RuntimeError(f"Workspace has no peer mappings: {self.fallback_reason}")
+
+    def _view(self, ptr: int, region_bytes: int, dtype: Any, shape: Any, what: str) -> Any:
+        import torch
+
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if shape is None:
+            shape = (region_bytes // itemsize,)
+        elif isinstance(shape, int):
+            shape = (shape,)
+        shape = tuple(int(s) for s in shape)
+        nbytes = math.prod(shape) * itemsize
+        if any(s < 0 for s in shape) or nbytes > region_bytes:
+            raise ValueError(f"shape {shape} of {dtype} needs {nbytes} bytes; the {what} holds "
+                             f"{region_bytes}")
+        return tensor_from_ptr(ptr, nbytes, self.device, owner=self).view(dtype).view(shape)
+
+    def _check_rank(self, r: int) -> int:
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise TypeError(f"rank must be an int, got {type(r).__name__}")
+        if not 0 <= r < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {r}")
+        return r
+
+    def peer_buffer(self, r: int, dtype: Any = None, shape: Any = None) -> Any:
+        """Rank ``r``'s data region as a tensor on the local device (does not own the memory)."""
+        import torch
+
+        self._require_mapped()
+        r = self._check_rank(r)
+        return self._view(self.buffer_ptrs_host[r], self.buffer_bytes,
+                          torch.uint8 if dtype is None else dtype, shape, "data region")
+
+    def local_buffer(self, dtype: Any = None, shape: Any = None) -> Any:
+        """This rank's own data region (``peer_buffer(self.rank, ...)``)."""
+        return self.peer_buffer(self.rank, dtype, shape)
+
+    def peer_signal(self, r: int, dtype: Any = None, shape: Any = None) -> Any:
+        """Rank ``r``'s signal pad as a tensor (default int32 words)."""
+        import torch
+
+        self._require_mapped()
+        r = self._check_rank(r)
+        return self._view(self.signal_ptrs_host[r], self.signal_bytes,
+                          torch.int32 if dtype is None else dtype, shape, "signal pad")
+
+    # --- device-side errors ----------------------------------------------------------------
+    def raise_if_failed(self) -> None:
+        """Raise CommTimeoutError if a kernel recorded an error (synchronize the stream first)."""
+        code, peer, epoch = (int(x) for x in self.error_flag[:3].tolist())
+        if code == ERROR_NONE:
+            return
+        name = ERROR_NAMES.get(code, f"error code {code}")
+        raise CommTimeoutError(
+            f"distnorm: rank {self.rank} ({name}) gave up waiting for rank {peer} at epoch "
+            f"{epoch} (group of {self.world_size}, backend {self.backend}); a peer is stuck, died, "
+            "or was launched with other arguments. Call reset_error() before reusing the workspace.",
+            code=code, rank=self.rank, peer=peer, epoch=epoch)
+
+    def reset_error(self) -> None:
+        """Zero ``error_flag``."""
+        self.error_flag.zero_()
+
+    # --- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unmap peers and free this rank's memory. Idempotent. Collective only for nvshmem."""
+        if self._closed:
+            return
+        self._closed = True
+        import torch
+
+        impl, self._impl = self._impl, None
+        self.buffer_ptrs = self.signal_ptrs = None
+        if impl is not None:
+            torch.cuda.synchronize(self.device_index)  # no kernel may still use the mappings
+            impl.close()
+
+    def __enter__(self) -> Workspace:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        warnings.warn(f"unclosed {self!r}; call close() or use it as a context manager",
+                      ResourceWarning, stacklevel=2)
+        impl = getattr(self, "_impl", None)
+        if sys.is_finalizing() or getattr(impl, "collective_close", False):
+            return  # nvshmem's free is collective: cannot run from one rank's garbage collector
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from __del__
+            pass
+
+    def __repr__(self) -> str:
+        g = self.__dict__.get
+        state = "closed" if g("_closed", True) else (g("backend") if g("_impl") else "fallback")
+        return (f"Workspace(rank={g('rank', '?')}, world_size={g('world_size', '?')}, {state}, "
+                f"buffer_bytes={g('buffer_bytes')}, signal_bytes={g('signal_bytes')})")

@@ -1,0 +1,184 @@
+"""Start ``torch.distributed`` from whatever launched the process.
+
+    env = init_distributed()             # torchrun, mpirun, spawn(), or one plain process
+    tp = get_or_create_group([0, 1])     # collective over WORLD: every rank calls it
+    ...
+    cleanup()
+
+On GPU machines each process uses GPU ``local_rank`` and NCCL (bound with ``device_id``); without
+CUDA, gloo. Under mpirun without MASTER_ADDR/MASTER_PORT, rank 0 picks a free port and mpi4py
+broadcasts it. NVLink multicast is switched off (``NO_MULTICAST_ENV``) before NCCL starts.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import socket
+import warnings
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from distnorm.launch.env import LaunchEnv, apply_no_multicast_env, detect_launch_env
+
+__all__ = ["init_distributed", "cleanup", "get_or_create_group", "split_world", "free_port",
+           "mpi_comm_world", "local_device_index"]
+
+log = logging.getLogger(__name__)
+
+_groups: dict[tuple[int, ...], Any] = {}
+_env: LaunchEnv | None = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def mpi_comm_world() -> Any:
+    """``mpi4py.MPI.COMM_WORLD``, imported lazily, with an error that says what to install."""
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError) as e:  # RuntimeError: mpi4py present but no libmpi
+        raise RuntimeError(
+            "this process was started by mpirun, and bootstrapping needs mpi4py with a working MPI "
+            f"library ({type(e).__name__}: {e}). Install mpi4py built against the MPI that runs "
+            "the job, or export MASTER_ADDR and MASTER_PORT so torch.distributed can start alone."
+        ) from e
+    return MPI.COMM_WORLD
+
+
+def local_device_index(env: LaunchEnv) -> int:
+    """GPU index for this process: ``local_rank``, wrapped (with a warning) if GPUs are fewer."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if env.local_rank >= count:
+        warnings.warn(f"local rank {env.local_rank} >= visible GPUs {count}; GPUs will be shared",
+                      RuntimeWarning, stacklevel=3)
+    return env.local_rank % count
+
+
+def _ensure_master_addr(env: LaunchEnv) -> None:
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        return
+    if not env.is_mpi:
+        raise RuntimeError(
+            f"launcher {env.launcher!r} set RANK/WORLD_SIZE but not MASTER_ADDR/MASTER_PORT; "
+            "export both (torchrun and distnorm.launch.spawn set them)")
+    comm = mpi_comm_world()
+    if comm.Get_size() != env.world_size or comm.Get_rank() != env.rank:
+        raise RuntimeError(f"MPI COMM_WORLD (rank {comm.Get_rank()} of {comm.Get_size()}) disagrees "
+                           f"with the launch environment {env}")
+    payload = None
+    if env.rank == 0:
+        single_node = env.local_world_size == env.world_size
+        addr = "127.0.0.1" if single_node else socket.gethostname()
+        payload = (addr, free_port("127.0.0.1" if single_node else ""))
+    addr, port = comm.bcast(payload, root=0)
+    os.environ["MASTER_ADDR"] = str(addr)
+    os.environ["MASTER_PORT"] = str(port)
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> LaunchEnv:
+    """Initialize ``torch.distributed`` for this process once; later calls return the same env.
+
+    backend: ``None`` picks ``"nccl"`` with CUDA, else ``"gloo"``.
+    timeout_s: collective timeout handed to ``init_process_group``.
+    """
+    global _env
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    apply_no_multicast_env()
+    import torch
+    import torch.distributed as dist
+
+    env = detect_launch_env()
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    device_index = None
+    if use_cuda:
+        device_index = local_device_index(env)
+        torch.cuda.set_device(device_index)
+
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if (rank, world) != (env.rank, env.world_size):
+            if env.launcher != "single":
+                raise RuntimeError(f"torch.distributed is initialized as rank {rank} of {world}, "
+                                   f"but the launch environment says {env}")
+            env = LaunchEnv(rank, rank, world, world, "single")
+        _env = env
+        return env
+
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    kwargs: dict[str, Any] = {
+        "backend": backend,
+        "rank": env.rank,
+        "world_size": env.world_size,
+        "timeout": timedelta(seconds=timeout_s),
+    }
+    if "nccl" in backend and use_cuda and \
+            "device_id" in inspect.signature(dist.init_process_group).parameters:
+        kwargs["device_id"] = torch.device("cuda", device_index)
+    if env.world_size == 1 and not os.environ.get("MASTER_PORT"):
+        kwargs["store"] = dist.HashStore()
+    else:
+        _ensure_master_addr(env)
+        kwargs["init_method"] = "env://"
+    dist.init_process_group(**kwargs)
+    log.debug("torch.distributed up: %s backend=%s", env, backend)
+    _env = env
+    return env
+
+
+def get_or_create_group(ranks: Sequence[int], backend: str | None = None) -> Any:
+    """The ProcessGroup of ``ranks`` (WORLD ranks), created once and cached.
+
+    Collective over WORLD: every rank must call it with the same ``ranks`` in the same order,
+    also ranks that are not members (they get ``None``-like non-member groups back).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("get_or_create_group: call init_distributed() first")
+    key = tuple(int(r) for r in ranks)
+    if len(set(key)) != len(key) or not key:
+        raise ValueError(f"ranks must be distinct and non-empty, got {list(ranks)}")
+    world = dist.get_world_size()
+    if any(not 0 <= r < world for r in key):
+        raise ValueError(f"ranks {list(key)} outside [0, {world})")
+    if key not in _groups:
+        _groups[key] = dist.new_group(list(key), backend=backend)
+    return _groups[key]
+
+
+def split_world(group_size: int, backend: str | None = None) -> Any:
+    """Split WORLD into consecutive groups of ``group_size`` and return this rank's (collective)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if group_size < 1 or world % group_size:
+        raise ValueError(f"group_size must divide the world size {world}, got {group_size}")
+    mine = None
+    for start in range(0, world, group_size):
+        group = get_or_create_group(range(start, start + group_size), backend)
+        if start <= dist.get_rank() < start + group_size:
+            mine = group
+    return mine
+
+
+def cleanup() -> None:
+    """Destroy the process groups made here and WORLD; safe to call when nothing is initialized."""
+    global _env
+    import torch.distributed as dist
+
+    _groups.clear()
+    _env = None
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,167 @@
+"""Run a function on N ranks from a plain ``python`` / ``pytest`` process.
+
+    def body(x):                          # module-level, so it can be pickled
+        import torch.distributed as dist
+        ...
+    spawn(body, 4, 1.0)                   # 4 processes, each: init_distributed(); body(1.0)
+    run_distributed(body, 1.0)            # under torchrun/mpirun: run here; else spawn one per GPU
+
+A child's exception comes back to the parent as AssertionError (child assertion) or RuntimeError,
+with the child's traceback text; the other children are killed. Past ``timeout_s`` all children
+are killed and TimeoutError raised: a stuck collective never hangs the parent.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from distnorm.launch.env import detect_launch_env
+
+__all__ = ["spawn", "in_multiprocess_launch", "run_distributed", "launch_world_size"]
+
+def in_multiprocess_launch() -> bool:
+    """True when torchrun, mpirun or spawn() started this process (its rank variables are set)."""
+    return detect_launch_env().is_multiprocess
+
+
+def launch_world_size() -> int:
+    """Ranks a multi-GPU test will see: the launcher's world size, else the visible GPU count."""
+    if in_multiprocess_launch():
+        return detect_launch_env().world_size
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _child(fn: Callable[..., Any], args: tuple, rank: int, nprocs: int, port: int,
+           backend: str | None, timeout_s: float, extra_env: Mapping[str, str],
+           results: Any) -> None:
+    os.environ.update(extra_env)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
+                       "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    try:
+        from distnorm.launch.dist import cleanup, init_distributed
+
+        init_distributed(backend=backend, timeout_s=timeout_s)
+        try:
+            fn(*args)
+        finally:
+            cleanup()
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        kind = "error"
+        if type(e).__module__.startswith("_pytest") and type(e).__name__ == "Skipped":
+            kind = "skip"
+        elif isinstance(e, AssertionError):
+            kind = "assert"
+        results.put((kind, rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        results.close()
+        results.join_thread()
+        os._exit(1)
+    results.put(("ok", rank, "", ""))
+    results.close()
+    results.join_thread()
+
+
+def _stop(procs: list[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+
+
+def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 300.0,
+          backend: str | None = None, env: Mapping[str, str] | None = None) -> None:
+    """Start ``nprocs`` processes (multiprocessing "spawn"); each runs init_distributed() then fn(*args).
+
+    fn and args must be picklable (fn defined at module level). ``env`` adds environment variables
+    in the children. Returns when every child finished; raises on the first failure or timeout.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    from distnorm.launch.dist import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, name=f"distnorm-rank{rank}",
+                         args=(fn, args, rank, nprocs, port, backend, timeout_s, dict(env or {}),
+                               results))
+             for rank in range(nprocs)]
+    deadline = time.monotonic() + timeout_s
+    done: set[int] = set()
+    ok = False
+    try:
+        for p in procs:
+            p.start()
+        while len(done) < nprocs:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"spawn({getattr(fn, '__name__', fn)}, {nprocs}): ranks "
+                                   f"{sorted(set(range(nprocs)) - done)} still running after "
+                                   f"{timeout_s:g} s; killed all children")
+            try:
+                kind, rank, summary, tb = results.get(timeout=min(remaining, 0.1))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
+                if dead:
+                    try:  # a message may still be in flight from a child that just exited
+                        kind, rank, summary, tb = results.get(timeout=1.0)
+                    except queue_mod.Empty:
+                        r = dead[0]
+                        raise RuntimeError(f"rank {r} of {nprocs} exited with code "
+                                           f"{procs[r].exitcode} without reporting") from None
+                else:
+                    continue
+            if kind == "ok":
+                done.add(rank)
+                continue
+            message = f"rank {rank} of {nprocs} failed: {summary}\n--- child traceback ---\n{tb}"
+            if kind == "skip":
+                import pytest
+
+                pytest.skip(f"rank {rank}: {summary}")
+            if kind == "assert":
+                raise AssertionError(message)
+            raise RuntimeError(message)
+        ok = True
+    finally:
+        if ok:
+            for p in procs:
+                p.join(timeout=max(deadline - time.monotonic(), 5.0))
+        _stop(procs)
+        results.close()
+    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, None)]
+    if bad:
+        raise RuntimeError(f"children exited with non-zero codes (rank, code): {bad}")
+
+
+def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int | None = None,
+                    timeout_s: float = 300.0, backend: str | None = None) -> None:
+    """Run ``fn(*args)`` on every rank: directly under torchrun/mpirun, else through spawn().
+
+    Under a launcher the job's world is used as is (``nprocs`` is ignored) and torch.distributed
+    stays initialized for the next call; otherwise ``nprocs`` defaults to the visible GPU count.
+    """
+    if in_multiprocess_launch():
+        from distnorm.launch.dist import init_distributed
+
+        init_distributed(backend=backend, timeout_s=timeout_s)
+        fn(*args)
+        return
+    if nprocs is None:
+        nprocs = launch_world_size()
+    spawn(fn, nprocs, *args, timeout_s=timeout_s, backend=backend)

@@ -35,12 +35,15 @@ def check_rows(name: str, t, like: Optional[Tensor], shape, dtype=None) -> None:
         raise ValueError(f"{name} must be bfloat16 or float16, got {t.dtype}")
     if like is not None and t.device != like.device:
         raise ValueError(f"{name} must be on {like.device}, got {t.device}")
-    if t.dim() == 2 and t.shape[0] > 0 and t.is_cuda:
-        if t.stride(1) != 1 and t.shape[1] > 1:
-            raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
-        if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            raise ValueError(f"{name} rows must start at 16-byte aligned addresses "
-                             f"(row stride {t.stride(0)} elements, data_ptr {t.data_ptr():#x})")
+    if t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+
+
+def check_aligned(name: str, t: Tensor, align: int = 16) -> None:
+    """At dispatch (not traced): rows must start at `align`-byte boundaries for 128-bit accesses."""
+    if t.shape[0] > 1 and (t.stride(0) * t.element_size()) % align or t.data_ptr() % align:
+        raise ValueError(f"{name} rows must start at {align}-byte aligned addresses "
+                         f"(row stride {t.stride(0)} elements, data_ptr {t.data_ptr():#x})")
 
 
 def check_scalar_f32(name: str, t, device) -> None:
@@ -157,6 +160,9 @@ def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, g
         return
     kernel = compiled_fused_norm(_DTYPE_NAMES[x.dtype], H, quant_params(spec), residual is not None,
                                  gemma, y_out is not None, cluster_for(H, M))
+    for name, t in (("x", x), ("residual", residual), ("residual_out", residual_out), ("y_out", y_out)):
+        if t is not None:
+            check_aligned(name, t)
     qv, sv = kernel_views(spec, q_out, scales_out)
     kernel(x, residual, residual_out, weight, y_out, qv, sv, scale, global_scale, float(eps))
 

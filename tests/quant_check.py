@@ -22,8 +22,11 @@ MATCH_FRACTION = 0.999
 
 
 def poison_like(t: torch.Tensor) -> torch.Tensor:
-    """Fill with 0xFF bytes (NaN for floats, -1 codes) so unwritten elements are caught."""
-    t.view(torch.uint8).fill_(0xFF)
+    """Fill with NaN (floats) or 0xFF bytes (fp8 NaN, fp4 -0/-6 codes) so unwritten elements are caught."""
+    if t.is_floating_point() and t.element_size() > 1:
+        t.fill_(float("nan"))
+    else:
+        t.view(torch.uint8).fill_(0xFF)
     return t
 
 
@@ -56,6 +59,10 @@ def assert_scales_close(s, s_ref, spec):
         close = (a - b).abs() <= 4 * torch.finfo(torch.float32).eps * b.abs()
         if spec.scale_ue8m0:
             close = eq | (a == 2 * b) | (2 * a == b)
+        else:
+            # float32 scales are not fixed by the format: amax inherits y's few-ulp differences
+            assert close.all(), f"{(~close).sum().item()} float32 scales differ by more than 4 ulps"
+            return eq
     else:
         a = s.view(torch.uint8).to(torch.int32)
         b = s_ref.view(torch.uint8).to(torch.int32)

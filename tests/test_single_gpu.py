@@ -58,7 +58,8 @@ def run_and_check(variant, dtype, M, H, *, residual=True, in_place=False, row_pa
     if quant == "nvfp4":
         kw["global_scale"] = gs
     spec = formats.make_quant_spec(quant, **{k: v for k, v in opts.items() if k != "gemma"})
-    ref = add_rmsnorm_ref(x, res if residual else None, w, 1e-6, norm_out=True, **kw)
+    ref = add_rmsnorm_ref(  # before the call: with in_place the kernel overwrites res
+x, res if residual else None, w, 1e-6, norm_out=True, **kw)
     outs = {}
     if residual:
         outs["residual_out"] = res if in_place else poison_like(torch.empty_like(res))
@@ -67,8 +68,7 @@ def run_and_check(variant, dtype, M, H, *, residual=True, in_place=False, row_pa
         outs["q_out"] = poison_like(torch.empty(formats.q_shape(spec, M, H), dtype=formats.q_dtype(spec), device="cuda"))
         if formats.scales_geometry(spec, M, H) is not None:
             outs["scales_out"] = poison_like(formats.empty_scales(spec, M, H, "cuda"))
-    res_in = res.clone() if in_place else res
-    out = distnorm.add_rmsnorm(x, res_in if not in_place else res, w, 1e-6, norm_out=True, **kw, **outs)
+    out = distnorm.add_rmsnorm(x, res if residual else None, w, 1e-6, norm_out=True, **kw, **outs)
     torch.cuda.synchronize()
     if residual:
         assert torch.equal(out.residual.view(torch.int16), ref.residual.view(torch.int16)), "residual not bitwise equal"

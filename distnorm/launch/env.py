@@ -95,7 +95,7 @@ def _from_vars(environ: Mapping[str, str], launcher: str) -> LaunchEnv | None:
     if local_world is None:
         local_world = world  # without it, assume every rank is on this node
     if local_rank is None:
-        local_rank = rank % local_world
+        local_rank = rank % local_world if local_world > 0 else 0
     return LaunchEnv(rank=rank, local_rank=local_rank, world_size=world,
                      local_world_size=local_world, launcher=launcher)
 

@@ -46,15 +46,14 @@ def _child(fn: Callable[..., Any], args: tuple, rank: int, nprocs: int, port: in
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
                        "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})
-    try:
-        from distnorm.launch.dist import cleanup, init_distributed
+    from distnorm.launch.dist import cleanup, init_distributed
 
+    try:
         init_distributed(backend=backend, timeout_s=timeout_s)
-        try:
-            fn(*args)
-        finally:
-            cleanup()
+        fn(*args)
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        # Report before tearing anything down: closing connections first would make the other
+        # ranks fail too, and their (secondary) errors could reach the parent first.
         kind = "error"
         if type(e).__module__.startswith("_pytest") and type(e).__name__ == "Skipped":
             kind = "skip"
@@ -66,9 +65,26 @@ def _child(fn: Callable[..., Any], args: tuple, rank: int, nprocs: int, port: in
         results.close()
         results.join_thread()
         os._exit(1)
+    cleanup()
     results.put(("ok", rank, "", ""))
     results.close()
     results.join_thread()
+
+
+def _other_failures(results: Any, procs: list[Any], reported: set[int], deadline: float,
+                    grace_s: float = 2.0) -> list[str]:
+    """Collect other ranks' failure summaries for a short while after the first failure."""
+    out: list[str] = []
+    end = min(time.monotonic() + grace_s, deadline)
+    while len(reported) < len(procs) and time.monotonic() < end:
+        try:
+            kind, rank, summary, _tb = results.get(timeout=max(end - time.monotonic(), 0.01))
+        except queue_mod.Empty:
+            break
+        reported.add(rank)
+        if kind != "ok":
+            out.append(f"rank {rank}: {summary}")
+    return out
 
 
 def _stop(procs: list[Any]) -> None:
@@ -130,6 +146,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 30
                 done.add(rank)
                 continue
             message = f"rank {rank} of {nprocs} failed: {summary}\n--- child traceback ---\n{tb}"
+            others = _other_failures(results, procs, done | {rank}, deadline)
+            if others:
+                message += "\n--- other ranks failed too (possibly as a consequence) ---\n"
+                message += "\n".join(others)
             if kind == "skip":
                 import pytest
 

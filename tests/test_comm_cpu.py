@@ -1,0 +1,325 @@
+"""CPU tests of the communication layer: fd passing between real processes over real sockets,
+the torch.distributed (gloo) bootstrap through spawn(), spawn's failure handling, Workspace
+argument checks, non-owning views, error-flag decoding."""
+import ctypes
+import gc
+import multiprocessing
+import os
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from distnorm.comm import (BackendUnavailable, Bootstrap, CommTimeoutError, MPIBootstrap,
+                           TorchBootstrap, Workspace, agree, exchange_fds, resolve_bootstrap)
+from distnorm.comm._views import live_view_count, tensor_from_ptr
+from distnorm.launch import get_or_create_group, spawn
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+               "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE")
+
+
+def _memfd(content: bytes) -> int:
+    fd = os.memfd_create("distnorm-test")
+    os.write(fd, content)
+    return fd
+
+
+def _read_fd(fd: int) -> bytes:
+    return os.pread(fd, 64, 0)
+
+
+def _content(rank: int, tag: str) -> bytes:
+    return f"rank {rank} says hello on {tag}".encode()
+
+
+# --- bodies run in spawned processes (module level: picklable) ------------------------------
+def _body_bootstrap_and_fds(delay_s: float) -> None:
+    import torch.distributed as dist
+
+    boot = resolve_bootstrap(None)
+    assert isinstance(boot, TorchBootstrap)
+    rank, world = boot.rank, boot.world_size
+    assert (rank, world) == (dist.get_rank(), dist.get_world_size())
+    assert boot.all_gather_object({"r": rank}) == [{"r": r} for r in range(world)]
+    assert boot.broadcast_object(f"from {rank}", root=world - 1) == f"from {world - 1}"
+    boot.barrier()
+    agree(boot, None, "nothing")  # no rank failed: returns
+    with pytest.raises(BackendUnavailable, match=r"rank 1: broken"):
+        agree(boot, "broken" if rank == 1 else None, "step")  # raises on *every* rank
+
+    # fds over a real socket, ranks arriving late in reverse order (connect must retry)
+    tag = boot.broadcast_object(uuid.uuid4().hex if rank == 0 else None)
+    time.sleep(delay_s * (world - 1 - rank))
+    fd = _memfd(_content(rank, tag))
+    fds = exchange_fds(fd, rank, world, tag, timeout_s=20)
+    assert fds[rank] == fd
+    for r, peer_fd in enumerate(fds):
+        assert _read_fd(peer_fd) == _content(r, tag), f"rank {rank}: wrong content from {r}"
+        os.close(peer_fd)
+
+    # subgroup bootstrap: {0, 1} (rank 2 is not a member and must still call new_group)
+    sub = get_or_create_group([0, 1])
+    if rank in (0, 1):
+        sboot = TorchBootstrap(sub)
+        assert sboot.world_size == 2 and sboot.rank == rank
+        assert sboot.all_gather_object(rank * 10) == [0, 10]
+        assert sboot.broadcast_object(rank + 7, root=1) == 8
+    else:
+        with pytest.raises(ValueError, match="not a member"):
+            TorchBootstrap(sub)
+    boot.barrier()
+
+
+def _body_raise_on_rank1() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("deliberate failure on rank 1")
+    dist.barrier()  # rank 0 blocks here until the parent kills it
+
+
+def _body_assert() -> None:
+    assert 1 + 1 == 3, "deliberate assertion"
+
+
+def _body_sleep() -> None:
+    time.sleep(600)
+
+
+# --- fd passing -------------------------------------------------------------------------------
+def test_bootstrap_and_fd_exchange_across_real_processes():
+    spawn(_body_bootstrap_and_fds, 3, 0.3, timeout_s=60)
+
+
+def _threaded_exchange(world: int, tag: str) -> list:
+    fds = [_memfd(_content(r, tag)) for r in range(world)]
+    results, errors = [None] * world, []
+
+    def run(r):
+        try:
+            results[r] = exchange_fds(fds[r], r, world, tag, timeout_s=10)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in reversed(range(world))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not errors, errors
+    for r in range(world):
+        for p in range(world):
+            assert _read_fd(results[r][p]) == _content(p, tag)
+            if p != r:
+                os.close(results[r][p])
+        os.close(fds[r])
+    return results
+
+
+@pytest.mark.parametrize("mode", ["abstract", "directory"])
+def test_fd_exchange_concurrent_tags(mode, monkeypatch, tmp_path):
+    if mode == "directory":
+        monkeypatch.setenv("DISTNORM_FDPASS_DIR", str(tmp_path))
+    before = len(os.listdir("/proc/self/fd"))
+    # two exchanges at once with different tags must not mix
+    outer = threading.Thread(target=_threaded_exchange, args=(3, "tagA" + uuid.uuid4().hex[:8]))
+    outer.start()
+    _threaded_exchange(4, "tagB" + uuid.uuid4().hex[:8])
+    outer.join(30)
+    assert len(os.listdir("/proc/self/fd")) == before  # every socket and fd closed
+    if mode == "directory":
+        assert os.listdir(tmp_path) == []  # socket files removed
+
+
+def test_fd_exchange_times_out_clearly():
+    fd = _memfd(b"x")
+    before = len(os.listdir("/proc/self/fd"))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="rank 1 never opened its socket"):
+        exchange_fds(fd, 0, 2, "lonely" + uuid.uuid4().hex[:8], timeout_s=0.5)
+    assert time.monotonic() - start < 5
+    assert len(os.listdir("/proc/self/fd")) == before
+    os.close(fd)
+
+
+def test_fd_exchange_world_of_one_and_validation():
+    fd = _memfd(b"x")
+    assert exchange_fds(fd, 0, 1, "solo") == [fd]
+    with pytest.raises(ValueError, match="rank"):
+        exchange_fds(fd, 2, 2, "t")
+    with pytest.raises(ValueError, match="tag"):
+        exchange_fds(fd, 0, 2, "bad tag/")
+    with pytest.raises(TypeError, match="my_fd"):
+        exchange_fds("3", 0, 2, "t")
+    os.close(fd)
+    with pytest.raises(OSError):
+        exchange_fds(fd, 0, 2, "closedfd")
+
+
+# --- spawn --------------------------------------------------------------------------------
+def test_spawn_propagates_child_exception_quickly():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 of 2 failed: ValueError: deliberate") as info:
+        spawn(_body_raise_on_rank1, 2, timeout_s=60)
+    assert "Traceback" in str(info.value) and "_body_raise_on_rank1" in str(info.value)
+    assert time.monotonic() - start < 30
+    assert multiprocessing.active_children() == []  # rank 0, stuck in a barrier, was killed
+
+
+def test_spawn_propagates_child_assertion():
+    with pytest.raises(AssertionError, match="deliberate assertion"):
+        spawn(_body_assert, 1, timeout_s=60)
+
+
+def test_spawn_kills_children_on_timeout():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="still running"):
+        spawn(_body_sleep, 2, timeout_s=5)
+    assert time.monotonic() - start < 20
+    assert multiprocessing.active_children() == []
+
+
+def test_spawn_argument_checks():
+    with pytest.raises(ValueError, match="nprocs"):
+        spawn(_body_sleep, 0)
+    with pytest.raises(TypeError, match="fn"):
+        spawn(None, 1)
+
+
+# --- Workspace argument checks --------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"buffer_bytes": 0}, ValueError, "buffer_bytes"),
+    ({"buffer_bytes": -5}, ValueError, "buffer_bytes"),
+    ({"buffer_bytes": 1.5}, TypeError, "buffer_bytes"),
+    ({"buffer_bytes": True}, TypeError, "buffer_bytes"),
+    ({"signal_bytes": 0}, ValueError, "signal_bytes"),
+    ({"backend": "nccl"}, ValueError, "backend"),
+    ({"backend": None}, TypeError, "backend"),
+    ({"timeout_s": 0}, ValueError, "timeout_s"),
+])
+def test_workspace_argument_errors(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        Workspace(**kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_workspace_without_cuda_says_so():
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        Workspace()
+
+
+def test_workspace_group_errors(monkeypatch):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is initialized in this process")
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # get past the CUDA check
+    with pytest.raises(ValueError, match="group=None.*init_distributed"):
+        Workspace()
+    with pytest.raises(TypeError, match="group must be"):
+        Workspace(group=object())
+
+
+def test_resolve_bootstrap_choices(monkeypatch):
+    class Comm:  # duck-typed mpi4py communicator
+        def Get_rank(self):
+            return 1
+
+        def Get_size(self):
+            return 2
+
+        def allgather(self, obj):
+            return [obj, obj]
+
+        def bcast(self, obj, root=0):
+            return obj
+
+        def Barrier(self):
+            pass
+
+    boot = resolve_bootstrap(Comm())
+    assert isinstance(boot, MPIBootstrap) and (boot.rank, boot.world_size) == (1, 2)
+    assert boot.all_gather_object(3) == [3, 3]
+    assert resolve_bootstrap(boot) is boot
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
+    try:
+        from mpi4py import MPI  # noqa: F401
+    except (ImportError, RuntimeError):
+        with pytest.raises(RuntimeError, match="mpi4py"):  # mpirun env, no MPI library
+            resolve_bootstrap(None)
+
+
+def test_agree_reports_every_failed_rank():
+    class Fake(Bootstrap):
+        rank, world_size = 0, 3
+
+        @property
+        def group(self):
+            return None
+
+        def all_gather_object(self, obj):
+            return [obj, "boom", None]
+
+        def broadcast_object(self, obj, root=0):
+            return obj
+
+    with pytest.raises(BackendUnavailable, match=r"vmm map failed \(rank 0: mine; rank 1: boom\)"):
+        agree(Fake(), "mine", "vmm map")
+
+
+# --- views, error flag, driver error formatting -------------------------------------------------
+def test_tensor_from_ptr_does_not_own_memory():
+    buf = (ctypes.c_uint8 * 256)()
+    owner = object()
+    before = live_view_count()
+    t = tensor_from_ptr(ctypes.addressof(buf), 256, "cpu", owner=owner)
+    assert t.dtype == torch.uint8 and t.shape == (256,) and live_view_count() == before + 1
+    t.view(torch.bfloat16).fill_(1.5)
+    assert bytes(buf[:2]) == torch.tensor([1.5], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    view = t[16:32].view(torch.int32)
+    del t
+    gc.collect()
+    assert live_view_count() == before + 1  # the slice still holds the storage
+    del view
+    gc.collect()
+    assert live_view_count() == before  # deleter ran; buf itself untouched and still ours
+    with pytest.raises(ValueError):
+        tensor_from_ptr(0, 8, "cpu")
+
+
+def _fake_workspace():
+    ws = Workspace.__new__(Workspace)
+    ws.__dict__.update(_closed=True, _impl=None, rank=1, world_size=4, backend="vmm",
+                       error_flag=torch.zeros(4, dtype=torch.int32))
+    return ws
+
+
+def test_raise_if_failed_decodes_error_flag():
+    ws = _fake_workspace()
+    ws.raise_if_failed()  # zero: nothing
+    ws.error_flag[:3] = torch.tensor([1, 3, 42], dtype=torch.int32)
+    with pytest.raises(CommTimeoutError, match="rank 1 .*timeout.* rank 3 at epoch 42") as info:
+        ws.raise_if_failed()
+    assert (info.value.peer, info.value.epoch, info.value.rank) == (3, 42, 1)
+    ws.reset_error()
+    ws.raise_if_failed()
+    ws.close()  # closed workspace: no-op
+    assert "closed" in repr(ws)
+
+
+def test_driver_errors_name_the_call():
+    from distnorm.comm.vmm import _check, driver
+
+    cu = driver()
+    assert _check((cu.CUresult.CUDA_SUCCESS, 7), "cuX") == 7
+    assert _check((cu.CUresult.CUDA_SUCCESS,), "cuX") is None
+    with pytest.raises(RuntimeError, match="cuMemCreate failed"):
+        _check((cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None), "cuMemCreate")

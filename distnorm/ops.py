@@ -90,24 +90,24 @@ def allocate_outputs(x: Tensor, spec: Optional[QuantSpec], has_residual: bool, w
     M, H = x.shape
     if has_residual:
         if residual_out is None:
-            residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        else:
+            residual_out = torch.empty((M, H), dtype=x.dtype, device=x.device)
+        elif residual_out.shape != x.shape or residual_out.dtype != x.dtype:
             check_rows("residual_out", residual_out, x, x.shape)
     if want_y:
         if y_out is None:
-            y_out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        else:
+            y_out = torch.empty((M, H), dtype=x.dtype, device=x.device)
+        elif y_out.shape != x.shape or y_out.dtype != x.dtype:
             check_rows("y_out", y_out, x, x.shape)
     if spec is not None:
         if q_out is None:
             q_out = torch.empty(q_shape(spec, M, H), dtype=q_dtype(spec), device=x.device)
-        else:
+        elif q_out.shape != q_shape(spec, M, H) or q_out.dtype != q_dtype(spec):
             check_rows("q_out", q_out, x, q_shape(spec, M, H), dtype=q_dtype(spec))
-        geo = scales_geometry(spec, M, H)
-        if geo is not None:
+        if spec.kind != "fp8":
+            geo = scales_geometry(spec, M, H)
             if scales_out is None:
                 scales_out = empty_scales(spec, M, H, x.device)
-            elif (tuple(scales_out.shape), tuple(scales_out.stride()), scales_out.dtype) != geo or \
+            elif (scales_out.shape, scales_out.stride(), scales_out.dtype) != geo or \
                     scales_out.device != x.device:
                 raise ValueError(f"scales_out must have shape {geo[0]}, strides {geo[1]}, dtype {geo[2]} "
                                  f"on {x.device}; got {tuple(scales_out.shape)}, {scales_out.stride()}, "
@@ -130,7 +130,7 @@ def kernel_views(spec: Optional[QuantSpec], q: Optional[Tensor], scales: Optiona
     """The int32 / uint8 views the kernels take (see kernels/compile.py)."""
     if spec is None:
         return None, None
-    qv = q.view(torch.uint8).view(torch.int32)
+    qv = q.view(torch.int32)  # fp8 [M, H] or packed fp4 [M, H/2]: rows hold whole int32 words
     sv = None
     if scales is not None:
         if spec.block_scaled:
@@ -158,10 +158,11 @@ def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, g
     M, H = x.shape
     if M == 0:
         return
-    kernel = compiled_fused_norm(_DTYPE_NAMES[x.dtype], H, quant_params(spec), residual is not None,
+    qparams = cached_spec(*spec_to_user_args(spec))[1]
+    kernel = compiled_fused_norm(_DTYPE_NAMES[x.dtype], H, qparams, residual is not None,
                                  gemma, y_out is not None, cluster_for(H, M))
     for name, t in (("x", x), ("residual", residual), ("residual_out", residual_out), ("y_out", y_out)):
-        if t is not None:
+        if t is not None and (t.data_ptr() | (t.stride(0) * 2 if M > 1 else 0)) % 16:
             check_aligned(name, t)
     qv, sv = kernel_views(spec, q_out, scales_out)
     kernel(x, residual, residual_out, weight, y_out, qv, sv, scale, global_scale, float(eps))
@@ -199,6 +200,13 @@ def spec_to_args(spec: Optional[QuantSpec]):
     return spec.kind, spec.group_size, spec.sf_layout, spec.scale_major, spec.scale_ue8m0
 
 
+def spec_to_user_args(spec: Optional[QuantSpec]):
+    """The add_rmsnorm keyword values that produce `spec` (cached_spec's key)."""
+    if spec is None:
+        return None, 128, "swizzled", "row", False
+    return spec.kind, spec.group_size or 128, spec.sf_layout, spec.scale_major, spec.scale_ue8m0
+
+
 def spec_from_args(kind: str, group_size: int, sf_layout: str, scale_major: str, ue8m0: bool):
     if kind == "none":
         return None
@@ -223,6 +231,38 @@ def _(x, residual, weight, eps, kind, group_size, sf_layout, scale_major, ue8m0,
     return None
 
 
+_SPECS: dict = {}
+
+
+def cached_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0):
+    """make_quant_spec, memoized: validating and hashing dataclasses costs microseconds per call."""
+    key = (quant, group_size, sf_layout, scale_major, scale_ue8m0)
+    hit = _SPECS.get(key)
+    if hit is None:
+        spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
+                               scale_major=scale_major, scale_ue8m0=scale_ue8m0)
+        hit = _SPECS[key] = (spec, quant_params(spec))
+    return hit
+
+
+def inputs_look_valid(x, residual, weight, spec) -> bool:
+    """Cheap checks of the common case; when False, check_inputs says exactly what is wrong."""
+    if type(x) is not Tensor or x.dim() != 2 or x.dtype not in ACT_DTYPES:
+        return False
+    H = x.shape[1]
+    if H % (8 if spec is None else spec.hidden_multiple) or not 256 <= H <= 32768:
+        return False
+    if type(weight) is not Tensor or weight.shape != (H,) or weight.dtype != x.dtype:
+        return False
+    dev = x.get_device()
+    if weight.get_device() != dev:
+        return False
+    if residual is not None and (type(residual) is not Tensor or residual.shape != x.shape
+                                 or residual.dtype != x.dtype or residual.get_device() != dev):
+        return False
+    return True
+
+
 def add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-6, *,
                 quant: Optional[str] = None, scale: Optional[Tensor] = None,
                 global_scale: Optional[Tensor] = None, group_size: int = 128,
@@ -238,9 +278,11 @@ def add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
     Returns NormQuantOutput(residual=h [M, H] when a residual is given, y=T(y) when norm_out or no
     quant, q, scales). Outputs passed in are written in place (residual_out may be `residual`).
     """
-    spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
-                           scale_major=scale_major, scale_ue8m0=scale_ue8m0)
-    check_inputs(x, residual, weight, spec, scale, global_scale, eps)
+    spec, _ = cached_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0)
+    kind = None if spec is None else spec.kind
+    if (not inputs_look_valid(x, residual, weight, spec) or (kind == "fp8" and type(scale) is not Tensor)
+            or (kind == "nvfp4" and type(global_scale) is not Tensor)):
+        check_inputs(x, residual, weight, spec, scale, global_scale, eps)  # raises with the reason
     want_y = norm_out or spec is None or y_out is not None
     residual_out, y_out, q_out, scales_out = allocate_outputs(
         x, spec, residual is not None, want_y, residual_out, y_out, q_out, scales_out)
@@ -250,5 +292,4 @@ def add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
     else:
         _impl(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
               q_out, scales_out)
-    scales = scale if spec is not None and spec.kind == "fp8" else scales_out
-    return NormQuantOutput(residual_out, y_out, q_out, scales, None)
+    return NormQuantOutput(residual_out, y_out, q_out, scale if kind == "fp8" else scales_out, None)

@@ -275,6 +275,10 @@ class Workspace:
         return self._view(self.signal_ptrs_host[r], self.signal_bytes,
                           torch.int32 if dtype is None else dtype, shape, "signal pad")
 
+    def barrier(self) -> None:
+        """Host barrier over the workspace's group (collective)."""
+        self._boot.barrier()
+
     # --- device-side errors ----------------------------------------------------------------
     def raise_if_failed(self) -> None:
         """Raise CommTimeoutError if a kernel recorded an error (synchronize the stream first)."""

@@ -37,7 +37,7 @@ def time_graph_us(fn: Callable[[], object], calls_per_graph: int = 20, repeats: 
 
 def copy_bandwidth_tbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth (bytes read + written) in TB/s."""
-    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    a = torch.randn(nbytes // 8, dtype=torch.float32, device="cuda")
     b = torch.empty_like(a)
     us = time_graph_us(lambda: b.copy_(a), calls_per_graph=5, repeats=10)
     return 2 * a.numel() / (us * 1e-6) / 1e12

@@ -323,3 +323,147 @@ def test_driver_errors_name_the_call():
     assert _check((cu.CUresult.CUDA_SUCCESS,), "cuX") is None
     with pytest.raises(RuntimeError, match="cuMemCreate failed"):
         _check((cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None), "cuMemCreate")
+
+
+# --- the VMM backend's protocol, on CPU: a fake driver backed by memfd + mmap -------------------
+_PROT_NONE, _PROT_RW = 0, 3  # Linux mmap constants (Python < 3.13 lacks some)
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
+
+
+class _FakeDriver:
+    """Just enough of cuda.bindings.driver for VmmAllocation, with host memory standing in for
+    device memory: cuMemCreate = memfd, export/import = dup, cuMemMap = mmap(MAP_FIXED|MAP_SHARED).
+    Memory really is shared between processes, so peers' patterns can be checked as on GPUs."""
+
+    GRANULARITY = 64 << 10
+
+    def __init__(self, fail_create: bool = False):
+        from cuda.bindings import driver as real
+
+        self._real, self.fail_create = real, fail_create
+        for name in ("CUresult", "CUmemAllocationProp", "CUmemAllocationType", "CUmemLocationType",
+                     "CUmemAllocationHandleType", "CUmemAllocationGranularity_flags",
+                     "CUmemAccessDesc", "CUmemAccess_flags"):
+            setattr(self, name, getattr(real, name))
+        self.ok = real.CUresult.CUDA_SUCCESS
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.mmap.restype = ctypes.c_void_p
+        self.libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_int, ctypes.c_long]
+        self.libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.handles = set()
+
+    def _mmap(self, addr, size, prot, flags, fd):
+        out = self.libc.mmap(addr, size, prot, flags, fd, 0)
+        assert out not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        return out
+
+    def cuGetErrorName(self, err):
+        return (self.ok, str(err).encode())
+
+    def cuInit(self, flags):
+        return (self.ok,)
+
+    def cuCtxGetCurrent(self):
+        return (self.ok, 1)
+
+    def cuCtxGetDevice(self):
+        return (self.ok, 0)
+
+    def cuMemGetAllocationGranularity(self, prop, flag):
+        return (self.ok, self.GRANULARITY)
+
+    def cuMemCreate(self, size, prop, flags):
+        if self.fail_create:
+            return (self._real.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
+        assert size % self.GRANULARITY == 0
+        fd = os.memfd_create("fake-vmm")
+        os.ftruncate(fd, size)
+        self.handles.add(fd)
+        return (self.ok, fd)
+
+    def cuMemExportToShareableHandle(self, handle, kind, flags):
+        return (self.ok, os.dup(handle))
+
+    def cuMemImportFromShareableHandle(self, fd, kind):
+        handle = os.dup(fd)
+        self.handles.add(handle)
+        return (self.ok, handle)
+
+    def cuMemAddressReserve(self, size, alignment, addr, flags):
+        return (self.ok, self._mmap(None, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS, -1))
+
+    def cuMemMap(self, ptr, size, offset, handle, flags):
+        self._mmap(ptr, size, _PROT_RW, _MAP_SHARED | _MAP_FIXED, handle)
+        return (self.ok,)
+
+    def cuMemSetAccess(self, ptr, size, desc, count):
+        assert count == 1 and desc[0].flags == self.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        return (self.ok,)
+
+    def cuMemsetD8(self, ptr, value, size):
+        ctypes.memset(ptr, value, size)
+        return (self.ok,)
+
+    def cuCtxSynchronize(self):
+        return (self.ok,)
+
+    def cuMemUnmap(self, ptr, size):  # back to a bare reservation, as the driver does
+        self._mmap(ptr, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED, -1)
+        return (self.ok,)
+
+    def cuMemAddressFree(self, ptr, size):
+        assert self.libc.munmap(ptr, size) == 0
+        return (self.ok,)
+
+    def cuMemRelease(self, handle):
+        self.handles.remove(handle)
+        os.close(handle)
+        return (self.ok,)
+
+
+def _body_fake_vmm(fail_rank: int) -> None:
+    import distnorm.comm.vmm as vmm
+
+    boot = resolve_bootstrap(None)
+    rank, world = boot.rank, boot.world_size
+    fake = _FakeDriver(fail_create=rank == fail_rank)
+    vmm.driver = lambda: fake
+    fds_before = len(os.listdir("/proc/self/fd"))
+    if fail_rank >= 0:
+        with pytest.raises(BackendUnavailable, match=rf"rank {fail_rank}: RuntimeError: cuMemCreate"):
+            vmm.VmmAllocation(boot, 100_000, 5_000, 0)
+        assert len(os.listdir("/proc/self/fd")) == fds_before and not fake.handles
+        return
+    buffer_bytes, signal_bytes = 100_000, 5_000
+    alloc = vmm.VmmAllocation(boot, buffer_bytes, signal_bytes, 0, timeout_s=20)
+    assert alloc.size % fake.GRANULARITY == 0 and alloc.size >= alloc.signal_offset + signal_bytes
+    assert len(alloc.buffer_ptrs) == world and len(set(alloc.buffer_ptrs)) == world
+    for r in range(world):  # fresh: zero everywhere
+        assert tensor_from_ptr(alloc.buffer_ptrs[r], alloc.size, "cpu").count_nonzero() == 0
+    boot.barrier()  # nobody writes before everybody has checked
+    mine = tensor_from_ptr(alloc.buffer_ptrs[rank], buffer_bytes, "cpu")
+    mine.copy_(torch.full((buffer_bytes,), rank + 1, dtype=torch.uint8))
+    right = (rank + 1) % world  # store into the right neighbour's signal pad
+    tensor_from_ptr(alloc.signal_ptrs[right], signal_bytes, "cpu").view(torch.int32)[rank] = 77 + rank
+    del mine
+    boot.barrier()
+    for r in range(world):
+        peer = tensor_from_ptr(alloc.buffer_ptrs[r], buffer_bytes, "cpu")
+        assert bool((peer == r + 1).all()), f"rank {rank} reads wrong data from {r}"
+    left = (rank - 1) % world
+    assert int(tensor_from_ptr(alloc.signal_ptrs[rank], 16, "cpu").view(torch.int32)[left]) == 77 + left
+    gc.collect()
+    boot.barrier()
+    alloc.close()
+    alloc.close()  # idempotent
+    assert not fake.handles, "handles not released"
+    assert len(os.listdir("/proc/self/fd")) == fds_before, "descriptors leaked"
+
+
+def test_vmm_protocol_with_fake_driver():
+    spawn(_body_fake_vmm, 3, -1, timeout_s=60)
+
+
+def test_vmm_failure_on_one_rank_fails_all_cleanly():
+    spawn(_body_fake_vmm, 2, 1, timeout_s=60)

@@ -14,7 +14,6 @@ from typing import Any
 
 from distnorm.comm._views import tensor_from_ptr
 from distnorm.comm.bootstrap import Bootstrap, agree
-from distnorm.comm.errors import BackendUnavailable
 
 __all__ = ["NvshmemAllocation"]
 
@@ -71,10 +70,11 @@ class NvshmemAllocation:
             error = f"{type(e).__name__}: {e}"
         agree(boot, error, "nvshmem import")
         group = tuple(boot.all_gather_object(members))
-        if _state["members"] is not None and _state["members"] != group:
-            raise BackendUnavailable("nvshmem is already initialized in this process over another "
-                                     "set of processes; NVSHMEM has one world per process")
         error = None
+        if _state["members"] is not None and _state["members"] != group:
+            error = ("already initialized in this process over another set of processes; "
+                     "NVSHMEM has one world per process")
+        agree(boot, error, "nvshmem world")
         if _state["members"] is None:
             try:
                 _init(nvshmem, Device, boot, device_index)

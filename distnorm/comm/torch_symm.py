@@ -16,6 +16,8 @@ from distnorm.comm.errors import BackendUnavailable
 
 __all__ = ["TorchSymmAllocation"]
 
+_state = {"allocated": False}  # has this process made a symmetric allocation through us?
+
 
 def _signal_pad_nbytes(handle: Any, rank: int) -> int | None:
     try:
@@ -64,7 +66,13 @@ class TorchSymmAllocation:
             get_size = getattr(symm_mem, "get_signal_pad_size", None)
             set_size = getattr(symm_mem, "set_signal_pad_size", None)
             if get_size is not None and set_size is not None and get_size() < signal_bytes:
+                if _state["allocated"]:  # PyTorch fixes the size at the first allocation
+                    raise BackendUnavailable(
+                        f"signal pads are {get_size()} bytes, {signal_bytes} requested, and "
+                        "PyTorch cannot grow them after the first symmetric allocation; create "
+                        "the workspace with the largest signal_bytes first")
                 set_size(signal_bytes)
+            _state["allocated"] = True
             self._tensor = symm_mem.empty(buffer_bytes, dtype=torch.uint8,
                                           device=torch.device("cuda", device_index))
         except Exception as e:  # noqa: BLE001 - reported collectively

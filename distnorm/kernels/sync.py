@@ -1,0 +1,297 @@
+"""Memory-ordering PTX primitives and the cross-rank CTA barrier used by the all-reduce kernels.
+
+Primitives (inline PTX through ``llvm.inline_asm``, same interface in CuTe DSL 4.3.5 and 4.8; every
+one is a device function taking 64-bit generic/global addresses as ``Int64``):
+
+    ld_acquire_sys_u32(addr) -> Int32          ld.acquire.sys.global.u32
+    ld_relaxed_sys_u32(addr) -> Int32          ld.relaxed.sys.global.u32
+    ld_volatile_sys_u32(addr) -> Int32         ld.volatile.global.u32 (also sees host-pinned memory)
+    st_release_sys_u32(addr, v)                st.release.sys.global.u32
+    st_relaxed_sys_u32(addr, v)                st.relaxed.sys.global.u32
+    st_volatile_u32(addr, v)                   st.volatile.global.u32
+    atomic_cas_sys_u32(addr, cmp, v) -> Int32  atom.relaxed.sys.global.cas.b32 (returns the old value)
+    atomic_add_gpu_u32(addr, v)                red.relaxed.gpu.global.add.u32
+    fence_acq_rel_sys()                        fence.acq_rel.sys
+    globaltimer_ns() -> Int64                  mov.u64 %globaltimer (ns; ~1 us granularity)
+    ld_volatile_sys_v4_u32(addr) -> 4 x Int32  ld.volatile.global.v4.u32 (16-byte aligned)
+    st_volatile_sys_v4_u32(addr, a, b, c, d)   st.volatile.global.v4.u32 (16-byte aligned)
+
+Ordered ones carry a ``memory`` clobber so LLVM never moves plain loads/stores across them.
+
+Cross-rank CTA barrier: ``cta_barrier(signal_ptrs, rank, world, region_word, block, timeout_ns, err)``
+(see its docstring). Signal-pad layout of one barrier region, in u32 words from ``region_word``:
+
+    epochs[MAX_CTAS]              this rank's epoch of CTA index b (written only by CTA b, locally)
+    flags[MAX_CTAS][MAX_WORLD]    flags[b][q] = last epoch rank q announced for CTA index b
+
+``BARRIER_REGION_WORDS`` words per region; ``region_word(i)`` is the first word of region i. Each
+algorithm / kernel owns its own region (``REGION_*`` below), never shared: two kernels on the same
+region would each advance the other's epochs, which is only consistent if every rank runs exactly
+the same sequence of them and never two at once (different streams). Separate regions make that a
+non-issue.
+
+Host side: ``timeout_ns(timeout_s=None)`` (default ``DEFAULT_TIMEOUT_S`` = 10 s, env
+``DISTNORM_BARRIER_TIMEOUT_S`` overrides), ``check_region(ws, region_word)``,
+``reset_barrier_region(ws, region_word)``.
+
+Kernel modules import this one absolutely (``from distnorm.kernels import sync``): the 4.3.5 DSL
+preprocessor cannot resolve relative imports.
+"""
+from __future__ import annotations
+
+import os
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+__all__ = [
+    "MAX_CTAS", "MAX_WORLD", "BARRIER_REGION_WORDS", "region_word", "REGION_BARRIER_TEST",
+    "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "ERR_TIMEOUT", "timeout_ns", "check_region",
+    "reset_barrier_region",
+    "ld_acquire_sys_u32", "ld_relaxed_sys_u32", "ld_volatile_sys_u32", "st_release_sys_u32",
+    "st_relaxed_sys_u32", "st_volatile_u32", "atomic_cas_sys_u32", "atomic_add_gpu_u32",
+    "fence_acq_rel_sys", "globaltimer_ns", "ld_volatile_sys_v4_u32", "st_volatile_sys_v4_u32",
+    "cta_barrier",
+]
+
+MAX_CTAS = 1024
+MAX_WORLD = 8
+BARRIER_REGION_WORDS = MAX_CTAS + MAX_CTAS * MAX_WORLD  # 9216 words = 36 KiB
+
+#: region indices (one per algorithm / kernel; append new ones, never reuse)
+REGION_BARRIER_TEST = 0
+
+DEFAULT_TIMEOUT_S = 10.0
+TIMEOUT_ENV = "DISTNORM_BARRIER_TIMEOUT_S"
+ERR_TIMEOUT = 1  # == distnorm.comm.errors.ERROR_TIMEOUT
+
+_SPIN_CHECK_MASK = 255  # look at %globaltimer and the error word every 256 polls
+
+
+def region_word(index: int) -> int:
+    """First u32 word (in the signal pad) of barrier region ``index``."""
+    return index * BARRIER_REGION_WORDS
+
+
+# --- host helpers -----------------------------------------------------------------------------
+def timeout_ns(timeout_s: float | None = None) -> int:
+    """Barrier timeout in ns: ``timeout_s``, else env DISTNORM_BARRIER_TIMEOUT_S, else 10 s."""
+    if timeout_s is None:
+        env = os.environ.get(TIMEOUT_ENV)
+        timeout_s = float(env) if env else DEFAULT_TIMEOUT_S
+    if not timeout_s > 0:
+        raise ValueError(f"barrier timeout must be > 0 s, got {timeout_s}")
+    return int(timeout_s * 1e9)
+
+
+def check_region(ws, region_word_: int, ctas: int | None = None) -> None:
+    """Raise if barrier region at ``region_word_`` does not fit ``ws``'s signal pad or the group/grid
+    exceeds MAX_WORLD / MAX_CTAS."""
+    end = (region_word_ + BARRIER_REGION_WORDS) * 4
+    if end > ws.signal_bytes:
+        raise ValueError(f"barrier region at word {region_word_} needs a signal pad of >= {end} bytes, "
+                         f"workspace has {ws.signal_bytes}")
+    if ws.world_size > MAX_WORLD:
+        raise ValueError(f"cta_barrier supports at most {MAX_WORLD} ranks, group has {ws.world_size}")
+    if ctas is not None and not 1 <= ctas <= MAX_CTAS:
+        raise ValueError(f"cta_barrier supports 1..{MAX_CTAS} CTAs, got {ctas}")
+
+
+def reset_barrier_region(ws, region_word_: int) -> None:
+    """Zero this rank's copy of a barrier region (epochs and flags), e.g. after a timeout left the
+    ranks' epochs out of step. Collective in effect: every rank must call it while no kernel using
+    the region runs anywhere, then synchronize (ws.barrier()) before the next launch."""
+    import torch
+
+    ws.peer_signal(ws.rank)[region_word_:region_word_ + BARRIER_REGION_WORDS].zero_()
+    torch.cuda.synchronize(ws.device)
+
+
+# --- primitives -------------------------------------------------------------------------------
+def _asm(ret_type, args, text: str, constraints: str, side_effects: bool = True):
+    return llvm.inline_asm(
+        ret_type,
+        args,
+        text,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+def _i32(x, loc=None, ip=None):
+    return Int32(x).ir_value(loc=loc, ip=ip)
+
+
+def _i64(x, loc=None, ip=None):
+    return Int64(x).ir_value(loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_acquire_sys_u32(addr, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.acquire.sys.global.u32 $0, [$1];",
+                      "=r,l,~{memory}"))
+
+
+@dsl_user_op
+def ld_relaxed_sys_u32(addr, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.relaxed.sys.global.u32 $0, [$1];",
+                      "=r,l,~{memory}"))
+
+
+@dsl_user_op
+def ld_volatile_sys_u32(addr, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.volatile.global.u32 $0, [$1];",
+                      "=r,l,~{memory}"))
+
+
+@dsl_user_op
+def st_release_sys_u32(addr, v, *, loc=None, ip=None) -> None:
+    _asm(None, [_i64(addr, loc, ip), _i32(v, loc, ip)], "st.release.sys.global.u32 [$0], $1;",
+         "l,r,~{memory}")
+
+
+@dsl_user_op
+def st_relaxed_sys_u32(addr, v, *, loc=None, ip=None) -> None:
+    _asm(None, [_i64(addr, loc, ip), _i32(v, loc, ip)], "st.relaxed.sys.global.u32 [$0], $1;",
+         "l,r,~{memory}")
+
+
+@dsl_user_op
+def st_volatile_u32(addr, v, *, loc=None, ip=None) -> None:
+    _asm(None, [_i64(addr, loc, ip), _i32(v, loc, ip)], "st.volatile.global.u32 [$0], $1;",
+         "l,r,~{memory}")
+
+
+@dsl_user_op
+def atomic_cas_sys_u32(addr, compare, value, *, loc=None, ip=None) -> Int32:
+    """Atomic compare-and-swap at system scope; returns the old value (swap happened iff == compare)."""
+    return Int32(_asm(T.i32(), [_i64(addr, loc, ip), _i32(compare, loc, ip), _i32(value, loc, ip)],
+                      "atom.relaxed.sys.global.cas.b32 $0, [$1], $2, $3;", "=r,l,r,r,~{memory}"))
+
+
+@dsl_user_op
+def atomic_add_gpu_u32(addr, v, *, loc=None, ip=None) -> None:
+    """Fire-and-forget atomic add at GPU scope (counters read by the host after synchronize)."""
+    _asm(None, [_i64(addr, loc, ip), _i32(v, loc, ip)], "red.relaxed.gpu.global.add.u32 [$0], $1;",
+         "l,r,~{memory}")
+
+
+@dsl_user_op
+def fence_acq_rel_sys(*, loc=None, ip=None) -> None:
+    _asm(None, [], "fence.acq_rel.sys;", "~{memory}")
+
+
+@dsl_user_op
+def globaltimer_ns(*, loc=None, ip=None) -> Int64:
+    return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l"))
+
+
+@dsl_user_op
+def ld_volatile_sys_v4_u32(addr, *, loc=None, ip=None):
+    """128-bit volatile load (bypasses L1; sees peers' stores without caching). Returns 4 Int32."""
+    st = llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()])
+    res = _asm(st, [_i64(addr, loc, ip)], "ld.volatile.global.v4.u32 {$0, $1, $2, $3}, [$4];",
+               "=r,=r,=r,=r,l,~{memory}")
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def st_volatile_sys_v4_u32(addr, a, b, c, d, *, loc=None, ip=None) -> None:
+    """128-bit volatile store (16-byte aligned address)."""
+    _asm(None, [_i64(addr, loc, ip), _i32(a, loc, ip), _i32(b, loc, ip), _i32(c, loc, ip),
+                _i32(d, loc, ip)],
+         "st.volatile.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}")
+
+
+# --- the barrier ------------------------------------------------------------------------------
+@cute.jit
+def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[int],
+                region_word: cutlass.Constexpr[int], block: Int32, timeout_ns: Int64,
+                err: cute.Tensor):
+    """Barrier between the CTAs with index ``block`` on every rank; all threads of the CTA call it.
+
+    signal_ptrs: Int64 [world] device tensor of every rank's signal-pad base address (peer mapped).
+    rank / world: this rank, group size (world <= MAX_WORLD, compile-time).
+    region_word: first u32 word of this kernel's barrier region in every signal pad (compile-time).
+    block: the CTA index (< MAX_CTAS); the same index on every rank meets here.
+    timeout_ns: give up after this long without a peer's flag (``timeout_ns()`` on the host).
+    err: Int32 [4] error words (``Workspace.error_flag``, pinned host memory, viewed from the GPU):
+         on timeout [0] = 1 (timeout), [1] = the peer waited on, [2] = the epoch; first writer wins.
+
+    Algorithm: thread t < world reads epoch = epochs[block] + 1 (relaxed load: only this CTA
+    writes it); bar.sync; thread t stores epoch with st.release.sys into rank t's
+    flags[block][rank], polls its own flags[block][t] with ld.acquire.sys until
+    (int32)(v - epoch) >= 0, and writes epoch back to epochs[block]; bar.sync.
+
+    Memory-ordering guarantees:
+    - Every write made before the barrier by any thread of this CTA (to local or peer memory) is
+      visible to every thread of the same-index CTA on every rank after its barrier returns:
+      bar.sync orders the CTA's writes before thread t's release store (release is cumulative in
+      the PTX model: it covers writes that happen-before it, including other threads' via bar.sync);
+      the peer's acquire load that reads the flag synchronizes-with it, and the peer's closing
+      bar.sync extends that to all its threads.
+    - No thread of this CTA returns before every rank's CTA ``block`` has entered the barrier of the
+      same epoch, so reads made before the barrier are complete everywhere before any peer writes
+      after it (write-after-read safety, used by the double-buffered data slots).
+    - Only CTAs with the same index are ordered. There is no grid-wide ordering: a kernel must map
+      its work so that CTA b on each rank only consumes/overwrites data produced/read by CTA b on
+      the peers (same grid on all ranks). For a grid-wide barrier, call this after a local grid
+      sync, or have one CTA index own the exchange.
+
+    Why graph-safe and repeat-safe: the epoch counter lives in device memory (the signal pad), not in
+    a kernel argument, so a CUDA-graph replay or a back-to-back launch continues from the stored
+    epoch and never re-uses a value a stale flag could match. A peer can be at most one epoch ahead
+    (it cannot pass epoch e+1 without our flag for e+1), so flags only ever hold epoch or epoch+1
+    and the signed 32-bit difference test survives wrap-around of the counter.
+
+    On timeout the thread records the error (if err[0] was 0) and stops waiting; other waiters see
+    err[0] != 0 at their next timer check and stop too, so a dead peer costs ~timeout_ns once, not
+    per barrier. After a timeout the ranks' epochs are out of step: call
+    ``reset_barrier_region`` on every rank (or re-create the workspace) before reusing the region.
+    """
+    tidx, _, _ = cute.arch.thread_idx()
+    epochs_word = Int64(region_word) + Int64(block)
+    flags_word = Int64(region_word + MAX_CTAS) + Int64(block) * Int64(MAX_WORLD)
+    # Address and epoch loads are issued before the first bar.sync so their latency overlaps it.
+    # Each waiting thread writes the new epoch back itself (all write the same value) and reads it
+    # again only in program order after its own write, so no extra CTA barrier is needed for it.
+    local_base = signal_ptrs[rank]
+    epoch_addr = local_base + epochs_word * Int64(4)
+    peer_base = Int64(0)
+    epoch = Int32(0)
+    if tidx < world:
+        peer_base = signal_ptrs[tidx]
+        epoch = ld_relaxed_sys_u32(epoch_addr) + Int32(1)
+    cute.arch.barrier()  # every thread's earlier writes are done (ordered before the release below)
+    if tidx < world:
+        st_release_sys_u32(peer_base + (flags_word + Int64(rank)) * Int64(4), epoch)
+        flag_addr = local_base + (flags_word + Int64(tidx)) * Int64(4)
+        err_addr = err.iterator.toint()
+        v = ld_acquire_sys_u32(flag_addr)
+        waiting = Int32(0)  # Int32 flag, not bool: loop-carried values keep one DSL type
+        if (v - epoch) < Int32(0):
+            waiting = Int32(1)
+        spins = Int32(0)
+        t0 = globaltimer_ns()
+        while waiting != Int32(0):
+            v = ld_acquire_sys_u32(flag_addr)
+            if (v - epoch) >= Int32(0):
+                waiting = Int32(0)
+            spins = spins + Int32(1)
+            if (spins & Int32(_SPIN_CHECK_MASK)) == Int32(0):
+                if waiting != Int32(0):
+                    if ld_volatile_sys_u32(err_addr) != Int32(0):
+                        waiting = Int32(0)  # another thread / CTA already timed out: stop too
+                    else:
+                        if globaltimer_ns() - t0 > timeout_ns:
+                            if atomic_cas_sys_u32(err_addr, Int32(0), Int32(ERR_TIMEOUT)) == Int32(0):
+                                st_volatile_u32(err_addr + Int64(4), tidx)
+                                st_volatile_u32(err_addr + Int64(8), epoch)
+                            waiting = Int32(0)
+        st_relaxed_sys_u32(epoch_addr, epoch)
+    cute.arch.barrier()

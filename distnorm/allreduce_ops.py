@@ -1,0 +1,359 @@
+"""User-facing all-reduce ops: fused all-reduce + residual add + RMSNorm (+ quantization), and a plain
+all-reduce, over a `distnorm.comm.Workspace` (peer-mapped buffers + signal pads).
+
+    out = allreduce_add_rmsnorm(x, residual, weight, eps, workspace=ws, quant="fp8", scale=s)
+    s = allreduce(x, workspace=ws)
+
+Semantics: docs/SEMANTICS.md (ordered float32 sum over ranks 0..N-1, h = T(acc + float(res)), ...);
+outputs are bitwise identical on every rank.
+
+Dispatch:
+- CUDA tensors and a workspace with peer mappings: the CuTe kernels of kernels/allreduce.py,
+  "oneshot" or "twoshot" (`algo="auto"` picks by bytes per rank and world size, AUTO_CROSSOVER_BYTES).
+  M is processed in chunks that fit the workspace's data buffer.
+- a workspace without peer mappings (`workspace.fallback_reason` set: multi-node, no P2P): all-gather
+  of x through torch.distributed (NCCL), ordered float32 sum (bitwise the reference), then the
+  single-GPU fused kernel (`distnorm.ops.add_rmsnorm`). One log line says why.
+- CPU tensors: gloo all-gather + the reference.
+Registered as the torch.library custom ops `distnorm::allreduce_add_rmsnorm_out` and
+`distnorm::allreduce_out` (outputs passed in and mutated); eager calls skip the dispatcher.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .formats import NormQuantOutput, QuantSpec
+from .ops import (_DTYPE_NAMES, allocate_outputs, cached_spec, check_aligned, check_inputs,
+                  check_rows, inputs_look_valid, kernel_views, spec_to_args, spec_from_args,
+                  spec_to_user_args)
+
+log = logging.getLogger(__name__)
+
+ALGOS = ("auto", "oneshot", "twoshot")
+# Bytes per rank (M * H * element size) up to which one-shot beats two-shot, by world size.
+# PLACEHOLDERS: these must be measured on the target machine (benchmarks/) and filled in.
+AUTO_CROSSOVER_BYTES = {2: 512 << 10, 4: 256 << 10, 8: 128 << 10}
+
+_SM_COUNT: dict = {}
+_ERR_VIEWS: dict = {}
+_LOGGED_FALLBACK: set = set()
+
+
+def choose_algo(algo: str, world: int, m: int, hidden: int, elem_size: int) -> str:
+    if algo not in ALGOS:
+        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    if algo != "auto":
+        return algo
+    if world <= 1:
+        return "oneshot"
+    limit = AUTO_CROSSOVER_BYTES.get(world, AUTO_CROSSOVER_BYTES[8])
+    return "oneshot" if m * hidden * elem_size <= limit else "twoshot"
+
+
+def max_chunk_rows(algo: str, world: int, m: int, hidden: int, elem_size: int, buffer_bytes: int,
+                   swizzled: bool, gather_acc: bool) -> int:
+    """Most rows one launch may take without overflowing the data buffer (>= 1 or ValueError).
+
+    one-shot uses world * rows * H elements; two-shot world * ceil(rows_p / world) * H per area
+    (scatter, gather h, optionally gather acc), rows_p = rows padded to 128 for swizzled scales.
+    Swizzled chunks after the first must start at multiples of 128 rows.
+    """
+    row_bytes = hidden * elem_size
+    if algo == "oneshot":
+        cap = buffer_bytes // (world * row_bytes)
+        if swizzled and m > cap:
+            cap = cap // 128 * 128
+    else:
+        cap = buffer_bytes // ((2 + (1 if gather_acc else 0)) * row_bytes) - (world - 1)
+        if swizzled:
+            cap = cap // 128 * 128
+    if cap < 1:
+        raise ValueError(f"workspace buffer of {buffer_bytes} bytes cannot hold one chunk of "
+                         f"H={hidden} for {algo} on {world} ranks; create it with a larger buffer_bytes")
+    return cap
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(idx)
+    if n is None:
+        n = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n
+
+
+def _err_view(ws) -> Tensor:
+    """The workspace's pinned error words as a device tensor (the kernels write it on timeout)."""
+    key = id(ws)
+    hit = _ERR_VIEWS.get(key)
+    if hit is None or hit[0] is not ws:
+        flag = ws.error_flag
+        if flag.is_cuda:
+            view = flag
+        else:
+            from .comm._views import tensor_from_ptr
+            view = tensor_from_ptr(ws.error_flag_ptr, flag.numel() * 4, ws.device).view(torch.int32)
+        hit = _ERR_VIEWS[key] = (ws, view)
+    return hit[1]
+
+
+_TIMEOUT: list = []
+_REGIONS_OK: dict = {}
+
+
+def _timeout_ns() -> int:
+    """How long a CTA waits for its peers (sync.timeout_ns: DISTNORM_BARRIER_TIMEOUT_S, default 10 s)."""
+    if not _TIMEOUT:
+        from .kernels.sync import timeout_ns
+        _TIMEOUT.append(int(timeout_ns()))
+    return _TIMEOUT[0]
+
+
+def _check_regions(ws) -> None:
+    """Once per workspace: the signal pad holds the one-shot and two-shot barrier regions."""
+    if _REGIONS_OK.get(id(ws)) is ws:
+        return
+    from .kernels.allreduce import REGION
+    from .kernels.sync import check_region, region_word
+    for idx in REGION.values():
+        check_region(ws, region_word(idx))
+    _REGIONS_OK[id(ws)] = ws
+
+
+def _chunk(t: Optional[Tensor], a: int, b: int) -> Optional[Tensor]:
+    return None if t is None else t[a:b]
+
+
+def _scales_chunk(spec: Optional[QuantSpec], sv: Optional[Tensor], a: int, b: int, H: int):
+    """Kernel view of the scale rows [a, b) (swizzled: chunks start at multiples of 128)."""
+    if sv is None or spec is None:
+        return sv
+    if spec.kind == "fp8_per_group" and spec.scale_major == "col":
+        return sv[a:b]  # strides (1, M): a row slice keeps the column stride
+    if spec.block_scaled and spec.sf_layout == "swizzled":
+        k = H // spec.group_size
+        kp = (k + 3) // 4 * 4
+        return sv[a * kp: ((b + 127) // 128 * 128) * kp]
+    return sv[a:b]
+
+
+def run_allreduce_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,
+                         y_out, q_out, scales_out, ar_out, ws, algo: str) -> None:
+    from .kernels.compile_allreduce import compiled_allreduce
+
+    M, H = x.shape
+    if M == 0:
+        return
+    world = ws.world_size
+    algo = choose_algo(algo, world, M, H, x.element_size())
+    qparams = cached_spec(*spec_to_user_args(spec))[1]
+    write_y = y_out is not None
+    write_ar = ar_out is not None
+    gather_acc = write_ar and residual is not None
+    kernel = compiled_allreduce(algo, world, _DTYPE_NAMES[x.dtype], H, qparams, residual is not None,
+                                gemma, write_y, write_ar)
+    for name, t in (("x", x), ("residual", residual), ("residual_out", residual_out),
+                    ("y_out", y_out), ("allreduce_out", ar_out)):
+        if t is not None and (t.data_ptr() | (t.stride(0) * 2 if M > 1 else 0)) % 16:
+            check_aligned(name, t)
+    qv, sv = kernel_views(spec, q_out, scales_out)
+    swizzled = qparams.swizzled
+    step = max_chunk_rows(algo, world, M, H, x.element_size(), ws.buffer_bytes, swizzled, gather_acc)
+    err = _err_view(ws)
+    _check_regions(ws)
+    ctas = _sm_count(x.device)
+    for a in range(0, M, step):
+        b = min(M, a + step)
+        kernel(x[a:b], _chunk(residual, a, b), _chunk(residual_out, a, b), weight, _chunk(y_out, a, b),
+               _chunk(qv, a, b), _scales_chunk(spec, sv, a, b, H), scale, global_scale,
+               _chunk(ar_out, a, b), ws.buffer_ptrs, ws.signal_ptrs, err, ws.rank, ctas, float(eps),
+               _timeout_ns())
+    if not torch.cuda.is_current_stream_capturing():
+        ws.raise_if_failed()  # reads pinned memory: cheap; an error shows after the kernel ran
+
+
+# ---- fallback (no peer mappings) and CPU -----------------------------------------------------------
+
+def _gathered_sum(x: Tensor, group) -> Tensor:
+    """Ordered float32 sum of every rank's x (all-gather, then acc = x0 + x1 + ...): bitwise the
+    reference on every rank."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc = acc + p.float()
+    return acc
+
+
+def _copy_outputs(ref: NormQuantOutput, spec, residual_out, y_out, q_out, scales_out, ar_out):
+    for out, val in ((residual_out, ref.residual), (y_out, ref.y), (q_out, ref.q), (ar_out, ref.allreduce)):
+        if out is not None and val is not None:
+            out.copy_(val)
+    if scales_out is not None and spec is not None and spec.kind != "fp8":
+        scales_out.copy_(ref.scales)
+
+
+def run_fallback(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
+                 q_out, scales_out, ar_out, group, reason: Optional[str]) -> None:
+    if reason and reason not in _LOGGED_FALLBACK:
+        _LOGGED_FALLBACK.add(reason)
+        log.warning("distnorm.allreduce_add_rmsnorm: using torch.distributed all-gather + single-GPU "
+                    "kernel (%s)", reason)
+    if x.shape[0] == 0:
+        return
+    acc = _gathered_sum(x, group)
+    if ar_out is not None:
+        ar_out.copy_(acc.to(x.dtype))
+    if not x.is_cuda:
+        from .reference import _norm_quant
+        ref = _norm_quant(acc, x.dtype, residual, weight, eps, spec, scale, global_scale, gemma,
+                          y_out is not None, None)
+        _copy_outputs(ref, spec, residual_out, y_out, q_out, scales_out, None)
+        return
+    from .ops import run_fused_norm_kernel
+
+    if residual_out is None and y_out is None and q_out is None:
+        return  # plain all-reduce
+    if residual is not None:
+        # h = T(acc + float(res)) with one rounding, then the fused kernel on (h, no residual)
+        h = (acc + residual.float()).to(x.dtype)
+        residual_out.copy_(h)
+    else:
+        h = acc.to(x.dtype)
+    run_fused_norm_kernel(h, None, weight, eps, spec, scale, global_scale, gemma, None, y_out,
+                          q_out, scales_out)
+
+
+def _impl(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out, q_out,
+          scales_out, ar_out, ws, algo) -> None:
+    if x.is_cuda and getattr(ws, "p2p_ok", False):
+        run_allreduce_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma,
+                             residual_out, y_out, q_out, scales_out, ar_out, ws, algo)
+    else:
+        reason = getattr(ws, "fallback_reason", None)
+        if x.is_cuda and reason is None:
+            reason = "workspace is closed" if getattr(ws, "closed", False) else "no peer mappings"
+        run_fallback(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,
+                     y_out, q_out, scales_out, ar_out, getattr(ws, "group", None),
+                     reason if x.is_cuda else None)
+
+
+# ---- torch.library registration -------------------------------------------------------------------
+# The workspace cannot travel through a schema: it is registered in a table and passed by handle.
+_WORKSPACES: dict = {}
+
+
+def _handle(ws) -> int:
+    h = id(ws)
+    _WORKSPACES[h] = ws
+    return h
+
+
+@torch.library.custom_op("distnorm::allreduce_add_rmsnorm_out",
+                         mutates_args=("residual_out", "y_out", "q_out", "scales_out", "allreduce_out"))
+def _allreduce_add_rmsnorm_out(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
+                               kind: str, group_size: int, sf_layout: str, scale_major: str,
+                               ue8m0: bool, scale: Optional[Tensor], global_scale: Optional[Tensor],
+                               gemma: bool, residual_out: Optional[Tensor], y_out: Optional[Tensor],
+                               q_out: Optional[Tensor], scales_out: Optional[Tensor],
+                               allreduce_out: Optional[Tensor], workspace: int, algo: str) -> None:
+    spec = spec_from_args(kind, group_size, sf_layout, scale_major, ue8m0)
+    _impl(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out, q_out,
+          scales_out, allreduce_out, _WORKSPACES[workspace], algo)
+
+
+@_allreduce_add_rmsnorm_out.register_fake
+def _(x, residual, weight, eps, kind, group_size, sf_layout, scale_major, ue8m0, scale,
+      global_scale, gemma, residual_out, y_out, q_out, scales_out, allreduce_out, workspace,
+      algo) -> None:
+    return None
+
+
+def _check_workspace(ws, x: Tensor) -> None:
+    if ws is None or not hasattr(ws, "world_size"):
+        raise TypeError(f"workspace must be a distnorm Workspace, got {type(ws).__name__}")
+    if getattr(ws, "closed", False):
+        raise RuntimeError("workspace is closed")
+    if x.is_cuda and getattr(ws, "p2p_ok", False) and x.device != ws.device:
+        raise ValueError(f"x is on {x.device} but the workspace on {ws.device}")
+
+
+def allreduce_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-6,
+                          *, workspace, quant: Optional[str] = None, scale: Optional[Tensor] = None,
+                          global_scale: Optional[Tensor] = None, group_size: int = 128,
+                          sf_layout: str = "swizzled", scale_major: str = "row",
+                          scale_ue8m0: bool = False, gemma: bool = False, norm_out: bool = False,
+                          allreduce_out: bool = False, algo: str = "auto",
+                          residual_out: Optional[Tensor] = None, y_out: Optional[Tensor] = None,
+                          q_out: Optional[Tensor] = None, scales_out: Optional[Tensor] = None,
+                          ) -> NormQuantOutput:
+    """All-reduce of x over the workspace's group (ordered float32 sum), then [residual add] +
+    RMSNorm [+ quantization], as distnorm.add_rmsnorm with x replaced by the sum.
+
+    Every rank passes its own x [M, H] (same M, H, dtype, options on all ranks) and the same
+    residual/weight. Returns NormQuantOutput(residual=h, y, q, scales, allreduce=T(acc) when
+    allreduce_out). algo: "auto" | "oneshot" | "twoshot".
+    """
+    spec, _ = cached_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0)
+    kind = None if spec is None else spec.kind
+    if (not inputs_look_valid(x, residual, weight, spec) or (kind == "fp8" and type(scale) is not Tensor)
+            or (kind == "nvfp4" and type(global_scale) is not Tensor)):
+        check_inputs(x, residual, weight, spec, scale, global_scale, eps)
+    if algo not in ALGOS:
+        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    _check_workspace(workspace, x)
+    want_y = norm_out or spec is None or y_out is not None
+    residual_out, y_out, q_out, scales_out = allocate_outputs(
+        x, spec, residual is not None, want_y, residual_out, y_out, q_out, scales_out)
+    ar_out = torch.empty_like(x, memory_format=torch.contiguous_format) if allreduce_out else None
+    if torch.compiler.is_compiling():
+        _allreduce_add_rmsnorm_out(x, residual, weight, float(eps), *spec_to_args(spec), scale,
+                                   global_scale, gemma, residual_out, y_out, q_out, scales_out,
+                                   ar_out, _handle(workspace), algo)
+    else:
+        _impl(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
+              q_out, scales_out, ar_out, workspace, algo)
+    return NormQuantOutput(residual_out, y_out, q_out, scale if kind == "fp8" else scales_out, ar_out)
+
+
+def allreduce(x: Tensor, *, workspace, algo: str = "auto", out: Optional[Tensor] = None) -> Tensor:
+    """Plain all-reduce: T(ordered float32 sum of every rank's x), bitwise identical on all ranks.
+    Runs the same kernels with no residual, no norm output and no quantization."""
+    if not isinstance(x, Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D [M, H] tensor, got {getattr(x, 'shape', x)!r}")
+    check_rows("x", x, None, x.shape)
+    if x.shape[1] % 8 or not 256 <= x.shape[1] <= 32768:
+        raise ValueError(f"H must be a multiple of 8 in [256, 32768], got {x.shape[1]}")
+    if algo not in ALGOS:
+        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    _check_workspace(workspace, x)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        check_rows("out", out, x, x.shape)
+    # weight is unused by the norm when nothing but the all-reduce output is written; the kernel
+    # still takes one (a ones vector, cached per device/dtype/H)
+    w = _ones(x)
+    if torch.compiler.is_compiling():
+        _allreduce_add_rmsnorm_out(x, None, w, 1e-6, *spec_to_args(None), None, None, False, None,
+                                   None, None, None, out, _handle(workspace), algo)
+    else:
+        _impl(x, None, w, 1e-6, None, None, None, False, None, None, None, None, out, workspace, algo)
+    return out
+
+
+_ONES: dict = {}
+
+
+def _ones(x: Tensor) -> Tensor:
+    key = (x.device, x.dtype, x.shape[1])
+    w = _ONES.get(key)
+    if w is None:
+        w = _ONES[key] = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
+    return w

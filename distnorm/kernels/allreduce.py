@@ -1,0 +1,300 @@
+"""Fused all-reduce + [residual add] + RMSNorm + [quantization] over peer-mapped buffers (NVLink P2P).
+
+One kernel class, two compile-time algorithms:
+
+- "oneshot" (latency): CTA b owns row groups g = b, b + grid, ... (rows_per_cta rows each, the
+  thread -> row mapping of fused_norm.py). Phase 1 pushes this rank's x rows into slot `rank` of
+  EVERY rank's data buffer (128-bit stores through the peer mappings); cta_barrier; phase 2 reads
+  slots 0..N-1 of the local buffer, sums them in float32 in rank order 0..N-1, h = T(acc + res),
+  writes residual_out (and T(acc) when asked), then the shared NormQuantCore epilogue; a final
+  cta_barrier so that no rank's next call overwrites a slot a peer is still reading.
+  Buffer: [N slots][rows][H] of T (rows = M, or M padded to 128 for swizzled scales).
+
+- "twoshot" (bandwidth): rows are cut into N contiguous slices of S = ceil(rows / N) rows; slice s
+  is owned by rank s. Phase 1 (reduce-scatter push): x rows of slice s go to slot `rank` of rank s's
+  scatter area; cta_barrier. Phase 2: each rank reduces its own slice (float32, rank order) and does
+  the residual add there (the residual is replicated, so the owner has it): it pushes T(h) (2 bytes
+  per element) -- and T(acc) when the plain all-reduce output is asked for together with a
+  residual -- into the gather area of every rank; cta_barrier. Phase 3: every rank reads full rows
+  of gathered h from its local buffer, writes residual_out and runs the epilogue. Gathering T(h)
+  instead of T(acc) keeps h = T(acc + float(res)) exact (one rounding of the float32 sum) and
+  bitwise identical on all ranks. Final cta_barrier as in one-shot.
+  Buffer: scatter [N][S][H] T, then gather h [N*S][H] T, then (optional) gather acc [N*S][H] T.
+
+Barrier coverage: every dependency is between same-index CTAs. CTA b handles the same in-slice row
+groups in every phase (one-shot: the same rows), so after cta_barrier every row CTA b reads was
+written by CTA b of the producing rank. The grid is the same on all ranks (a function of M and the
+SM count) and at most one CTA per SM, so all CTAs are co-resident and spinning CTAs cannot starve
+the peers they wait for. Barrier region 1 serves one-shot, region 2 two-shot (0 is sync.py's test).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from distnorm.kernels import ptx  # absolute imports: the 4.3.5 DSL preprocessor needs them
+from distnorm.kernels.norm_quant import VEC, NormQuantCore, QuantParams, RowTiling
+from distnorm.kernels.sync import BARRIER_REGION_WORDS, cta_barrier
+
+ALGOS = ("oneshot", "twoshot")
+# barrier regions (sync.py): region 0 is the barrier self-test kernel's, so one-shot takes 1 and
+# two-shot 2 (never shared between algorithms)
+REGION = {"oneshot": 1, "twoshot": 2}
+
+
+class AllReduceAddRMSNormQuant:
+    """Compile-time: algo, world size, tiling (H), quant, residual/gemma/write_y/write_allreduce.
+
+    Run-time: M (rows of x), rank, grid size, eps, timeout, the peer-pointer tables.
+    """
+
+    def __init__(self, algo: str, world: int, tiling: RowTiling, quant: QuantParams,
+                 has_residual: bool, gemma: bool, write_y: bool, write_allreduce: bool):
+        assert algo in ALGOS, algo
+        assert tiling.cluster_n == 1, "the all-reduce kernels use one CTA per row group"
+        self.algo = algo
+        self.world = world
+        self.t = tiling
+        self.q = quant
+        self.has_residual = has_residual
+        self.write_allreduce = write_allreduce
+        # two-shot gathers T(acc) separately only when it differs from the gathered h
+        self.gather_acc = write_allreduce and has_residual
+        self.region_word = REGION[algo] * BARRIER_REGION_WORDS
+        self.core = NormQuantCore(tiling, quant, gemma, write_y)
+
+    # ---- host side -----------------------------------------------------------------------------
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mR, mRout, mW: cute.Tensor, mY, mQ, mS, mScale, mGS, mAR,
+                 mBuf: cute.Tensor, mSig: cute.Tensor, mErr: cute.Tensor, rank: Int32,
+                 max_ctas: Int32, eps: Float32, timeout_ns: Int64, stream):
+        t = self.t
+        m = mX.shape[0]
+        rows = m
+        if const_expr(self.q.swizzled):
+            rows = (m + 127) // 128 * 128  # the 128x4 scale layout's padded rows are written too
+        slice_rows = rows
+        if const_expr(self.algo == "twoshot"):
+            slice_rows = (rows + self.world - 1) // self.world
+        groups = (slice_rows + t.rows_per_cta - 1) // t.rows_per_cta
+        blocks = groups
+        if blocks > max_ctas:
+            blocks = max_ctas
+        if blocks < 1:
+            blocks = Int32(1)
+        self.kernel(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr, rank, eps,
+                    timeout_ns, rows, slice_rows, groups).launch(
+            grid=[blocks, 1, 1],
+            block=[t.threads, 1, 1],
+            stream=stream,
+        )
+
+    # ---- device helpers --------------------------------------------------------------------------
+    @cute.jit
+    def _row_view(self, base: Int64, elem_offset: Int64, dtype: cutlass.Constexpr):
+        """[H] tensor of `dtype` at byte address base + 2 * elem_offset, tiled in 8-element vectors."""
+        ptr = cute.make_ptr(dtype, base + elem_offset * 2, cute.AddressSpace.gmem, assumed_align=16)
+        row = cute.make_tensor(ptr, cute.make_layout((self.t.hidden,), stride=(1,)))
+        return cute.zipped_divide(row, (VEC,))
+
+    @cute.jit
+    def _load_row(self, dst, tSrc, lane: Int32):
+        """dst (register fragment of T) <- this thread's vectors of the tiled row tSrc."""
+        t = self.t
+        for j in cutlass.range_constexpr(t.vecs_per_thread):
+            v = lane + j * t.threads_per_row
+            if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                self.core._slice(dst, j).store(tSrc[(None, v)].load())
+
+    @cute.jit
+    def _store_row(self, src, tDst, lane: Int32, dtype: cutlass.Constexpr):
+        """this thread's vectors of the tiled row tDst <- src (register fragment), converted to dtype."""
+        t = self.t
+        for j in cutlass.range_constexpr(t.vecs_per_thread):
+            v = lane + j * t.threads_per_row
+            if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                tDst[(None, v)].store(self.core._slice(src, j).load().to(dtype))
+
+    @cute.jit
+    def _sum_slots(self, rH, rT, base: Int64, slot_elems: Int64, row_elem: Int64, lane: Int32):
+        """rH <- float32 sum over slots 0..N-1 (rank order) of the local buffer's row `row_elem`."""
+        dtype = rT.element_type
+        self._load_row(rT, self._row_view(base, row_elem, dtype), lane)
+        rH.store(rT.load().to(Float32))
+        for s in cutlass.range_constexpr(1, self.world):
+            self._load_row(rT, self._row_view(base, slot_elems * s + row_elem, dtype), lane)
+            rH.store(rH.load() + rT.load().to(Float32))
+
+    @cute.jit
+    def _barrier(self, mSig, rank: Int32, bidx: Int32, timeout_ns: Int64, mErr):
+        cta_barrier(mSig, rank, self.world, self.region_word, bidx, timeout_ns, mErr)
+
+    @cute.jit
+    def _scalars(self, mScale, mGS):
+        static_inv = Float32(0.0)
+        global_scale = Float32(0.0)
+        if const_expr(self.q.kind == "fp8"):
+            static_inv = ptx.rcp_rn(mScale[0])
+        if const_expr(self.q.kind == "nvfp4"):
+            global_scale = mGS[0]
+        return static_inv, global_scale
+
+    # ---- the kernel ------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mR, mRout, mW: cute.Tensor, mY, mQ, mS, mScale, mGS, mAR,
+               mBuf: cute.Tensor, mSig: cute.Tensor, mErr: cute.Tensor, rank: Int32, eps: Float32,
+               timeout_ns: Int64, rows: Int32, slice_rows: Int32, groups: Int32):
+        if const_expr(self.algo == "oneshot"):
+            self._oneshot(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr, rank,
+                          eps, timeout_ns, rows, groups)
+        else:
+            self._twoshot(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr, rank,
+                          eps, timeout_ns, rows, slice_rows, groups)
+
+    @cute.jit
+    def _oneshot(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
+                 rank: Int32, eps: Float32, timeout_ns: Int64, rows: Int32, groups: Int32):
+        t = self.t
+        dtype = mX.element_type
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        nblk, _, _ = cute.arch.grid_dim()
+        row_in_cta = tidx // t.threads_per_row
+        lane = tidx % t.threads_per_row
+        m = mX.shape[0]
+        hidden = Int64(t.hidden)
+        slot_elems = Int64(m) * hidden  # one slot: this call's M rows
+
+        smem = cutlass.utils.SmemAllocator()
+        bufs = self.core.allocate_smem(smem)
+        nv = t.vecs_per_thread
+        rT = cute.make_rmem_tensor(cute.make_layout(nv * VEC), dtype)
+        rR = cute.make_rmem_tensor(cute.make_layout(nv * VEC), dtype)
+        rH = cute.make_rmem_tensor(cute.make_layout(nv * VEC), Float32)
+        rT.fill(0.0)
+        rR.fill(0.0)
+        rH.fill(0.0)
+        static_inv, global_scale = self._scalars(mScale, mGS)
+
+        # phase 1: push my rows into slot `rank` of every rank's buffer
+        for g in range(bidx, groups, nblk):
+            row = g * t.rows_per_cta + row_in_cta
+            if row < m:
+                self._load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
+                off = slot_elems * Int64(rank) + Int64(row) * hidden
+                for s in cutlass.range_constexpr(self.world):
+                    self._store_row(rT, self._row_view(mBuf[s], off, dtype), lane, dtype)
+        self._barrier(mSig, rank, bidx, timeout_ns, mErr)
+
+        # phase 2: ordered float32 sum of the N slots, residual add, epilogue
+        base = mBuf[rank]
+        for g in range(bidx, groups, nblk):
+            row = g * t.rows_per_cta + row_in_cta
+            row_valid = row < m
+            rH.fill(0.0)
+            if row_valid:
+                self._sum_slots(rH, rT, base, slot_elems, Int64(row) * hidden, lane)
+                if const_expr(self.write_allreduce):
+                    self._store_row(rH, cute.zipped_divide(mAR[row, None], (VEC,)), lane, dtype)
+                if const_expr(self.has_residual):
+                    self._load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
+                    # h = T(acc + float(res)), one rounding; the norm reads float(h)
+                    rH.store((rH.load() + rR.load().to(Float32)).to(dtype).to(Float32))
+                    self._store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype)
+                else:
+                    rH.store(rH.load().to(dtype).to(Float32))  # h = T(acc)
+            self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, Int32(0), eps, mW,
+                               mY, mQ, mS, static_inv, global_scale, bufs)
+            cute.arch.barrier()  # the next group's reductions reuse the shared-memory partials
+        # nobody may overwrite a slot (next call) that a peer still reads
+        self._barrier(mSig, rank, bidx, timeout_ns, mErr)
+
+    @cute.jit
+    def _twoshot(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
+                 rank: Int32, eps: Float32, timeout_ns: Int64, rows: Int32, slice_rows: Int32,
+                 groups: Int32):
+        t = self.t
+        dtype = mX.element_type
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        nblk, _, _ = cute.arch.grid_dim()
+        row_in_cta = tidx // t.threads_per_row
+        lane = tidx % t.threads_per_row
+        m = mX.shape[0]
+        hidden = Int64(t.hidden)
+        sl = Int64(slice_rows)
+        slot_elems = sl * hidden                       # one scatter slot: S rows
+        gather_h = slot_elems * self.world             # gather area of h: N*S rows
+        gather_a = gather_h + slot_elems * self.world  # gather area of T(acc) (when asked)
+
+        smem = cutlass.utils.SmemAllocator()
+        bufs = self.core.allocate_smem(smem)
+        nv = t.vecs_per_thread
+        rT = cute.make_rmem_tensor(cute.make_layout(nv * VEC), dtype)
+        rR = cute.make_rmem_tensor(cute.make_layout(nv * VEC), dtype)
+        rH = cute.make_rmem_tensor(cute.make_layout(nv * VEC), Float32)
+        rA = cute.make_rmem_tensor(cute.make_layout(nv * VEC), Float32)
+        rT.fill(0.0)
+        rR.fill(0.0)
+        rH.fill(0.0)
+        rA.fill(0.0)
+        static_inv, global_scale = self._scalars(mScale, mGS)
+
+        # phase 1 (reduce-scatter push): row i of slice s -> rank s, slot `rank`, row i
+        for g in range(bidx, groups, nblk):
+            i = g * t.rows_per_cta + row_in_cta
+            for s in cutlass.range_constexpr(self.world):
+                row = s * slice_rows + i
+                if (i < slice_rows) & (row < m):
+                    self._load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
+                    off = slot_elems * Int64(rank) + Int64(i) * hidden
+                    self._store_row(rT, self._row_view(mBuf[s], off, dtype), lane, dtype)
+        self._barrier(mSig, rank, bidx, timeout_ns, mErr)
+
+        # phase 2: reduce my slice, residual add, push T(h) (and T(acc)) to every rank's gather area
+        base = mBuf[rank]
+        for g in range(bidx, groups, nblk):
+            i = g * t.rows_per_cta + row_in_cta
+            row = rank * slice_rows + i
+            if (i < slice_rows) & (row < m):
+                self._sum_slots(rH, rT, base, slot_elems, Int64(i) * hidden, lane)
+                if const_expr(self.gather_acc):
+                    rA.store(rH.load())
+                if const_expr(self.has_residual):
+                    self._load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
+                    rH.store((rH.load() + rR.load().to(Float32)).to(dtype).to(Float32))
+                for s in cutlass.range_constexpr(self.world):
+                    peer = mBuf[s]
+                    self._store_row(rH, self._row_view(peer, gather_h + Int64(row) * hidden, dtype),
+                                    lane, dtype)
+                    if const_expr(self.gather_acc):
+                        self._store_row(rA, self._row_view(peer, gather_a + Int64(row) * hidden,
+                                                           dtype), lane, dtype)
+        self._barrier(mSig, rank, bidx, timeout_ns, mErr)
+
+        # phase 3: every rank: full rows of gathered h -> residual_out, allreduce_out, epilogue
+        for g in range(bidx, groups, nblk):
+            i = g * t.rows_per_cta + row_in_cta
+            for s in cutlass.range_constexpr(self.world):
+                row = s * slice_rows + i
+                row_valid = (i < slice_rows) & (row < m)
+                rH.fill(0.0)
+                if row_valid:
+                    self._load_row(rT, self._row_view(base, gather_h + Int64(row) * hidden, dtype),
+                                   lane)
+                    rH.store(rT.load().to(Float32))
+                    if const_expr(self.has_residual):
+                        self._store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane,
+                                        dtype)
+                    if const_expr(self.write_allreduce):
+                        if const_expr(self.gather_acc):
+                            self._load_row(rT, self._row_view(base, gather_a + Int64(row) * hidden,
+                                                              dtype), lane)
+                        self._store_row(rT, cute.zipped_divide(mAR[row, None], (VEC,)), lane,
+                                        dtype)
+                self.core.epilogue(rH, row, row_valid, (i < slice_rows) & (row < rows), lane,
+                                   row_in_cta, Int32(0), eps, mW, mY, mQ, mS, static_inv,
+                                   global_scale, bufs)
+                cute.arch.barrier()  # shared-memory partials are reused by the next row
+        self._barrier(mSig, rank, bidx, timeout_ns, mErr)

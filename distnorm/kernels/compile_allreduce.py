@@ -1,0 +1,61 @@
+"""Compile the all-reduce kernels once per compile-time key (fake tensors, TVM-FFI, symbolic M).
+
+Key: (algo, world, dtype, H, quant, residual, gemma, write_y, write_allreduce). Rows, rank, grid
+size, eps, timeout and the peer-pointer tables are run-time arguments: a new token count, a new
+workspace or a new rank never recompiles.
+
+Call the result as
+    f(x, res, res_out, w, y, q, scales, scale, gs, ar_out, buffer_ptrs, signal_ptrs, err,
+      rank, max_ctas, eps, timeout_ns)
+with the tensor conventions of kernels/compile.py plus: ar_out [M, H] T (plain all-reduce output),
+buffer_ptrs / signal_ptrs int64 [world] (device), err int32 [4] (device-visible error words).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import cutlass
+from cutlass import Float32, Int32, Int64
+
+from distnorm.kernels import compat
+from distnorm.kernels.allreduce import AllReduceAddRMSNormQuant
+from distnorm.kernels.compile import CUTE_DTYPES, fake_q, fake_rows, fake_scales
+from distnorm.kernels.norm_quant import QuantParams, choose_tiling
+
+
+def buffer_elems(algo: str, world: int, m: int, hidden: int, swizzled: bool,
+                 gather_acc: bool) -> int:
+    """Elements of T one call with m rows uses in the data buffer (see kernels/allreduce.py)."""
+    rows = (m + 127) // 128 * 128 if swizzled else m
+    if algo == "oneshot":
+        return world * m * hidden
+    s = -(-rows // world)
+    return world * s * hidden * (2 + (1 if gather_acc else 0))
+
+
+@functools.cache
+def compiled_allreduce(algo: str, world: int, dtype: str, hidden: int, quant: QuantParams,
+                       has_residual: bool, gemma: bool, write_y: bool,
+                       write_allreduce: bool) -> Callable:
+    cdtype = CUTE_DTYPES[dtype]
+    tiling = choose_tiling(hidden, 1, quant.block)
+    kernel = AllReduceAddRMSNormQuant(algo, world, tiling, quant, has_residual, gemma, write_y,
+                                      write_allreduce)
+    m = compat.sym_int(32)
+    x = fake_rows(cdtype, hidden, m)
+    res = fake_rows(cdtype, hidden, m) if has_residual else None
+    res_out = fake_rows(cdtype, hidden, m) if has_residual else None
+    w = compat.make_fake_tensor(cdtype, (hidden,), (1,), assumed_align=16)
+    y = fake_rows(cdtype, hidden, m) if write_y else None
+    q = fake_q(quant, hidden, m)
+    s = fake_scales(quant, hidden, m)
+    scale = compat.make_fake_tensor(Float32, (1,), (1,), assumed_align=4) if quant.kind == "fp8" else None
+    gs = compat.make_fake_tensor(Float32, (1,), (1,), assumed_align=4) if quant.kind == "nvfp4" else None
+    ar = fake_rows(cdtype, hidden, m) if write_allreduce else None
+    bufp = compat.make_fake_tensor(cutlass.Int64, (world,), (1,), assumed_align=8)
+    sigp = compat.make_fake_tensor(cutlass.Int64, (world,), (1,), assumed_align=8)
+    err = compat.make_fake_tensor(cutlass.Int32, (4,), (1,), assumed_align=16)
+    stream = compat.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return compat.compile_tvm_ffi(kernel, x, res, res_out, w, y, q, s, scale, gs, ar, bufp, sigp,
+                                  err, Int32(0), Int32(1), Float32(1e-6), Int64(1), stream)

@@ -1,0 +1,263 @@
+"""Multi-GPU tests of the fused all-reduce kernels (distnorm.allreduce_ops) against the reference.
+
+Run any of:
+    torchrun --nproc-per-node 2 -m pytest tests/multigpu/test_allreduce_gpu.py -q
+    mpirun -np 2 python -m pytest tests/multigpu/test_allreduce_gpu.py -q
+    python -m pytest tests/multigpu/test_allreduce_gpu.py -q          # spawns one process per GPU
+DISTNORM_FULL=1 runs the full grid (algo x quant x M x H); the default grid takes a few minutes.
+
+Every rank draws its own x (seeded by rank); residual and weight are the same on all ranks. The
+reference is allreduce_add_rmsnorm_ref over the all-gathered x (ordered float32 sum). Outputs are
+poisoned first. Bounds (tests/quant_check.py): residual and all-reduce output bitwise equal, y within
+1 ulp, quantized bytes equal for >= 99.9% of elements and otherwise one step. Outputs must be
+bitwise identical across ranks. Checks are gathered over the group before asserting, so one rank's
+failure fails every rank instead of leaving the others stuck in a collective.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from distnorm.launch import launch_world_size, run_distributed
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+WORLD = launch_world_size()
+pytestmark = [
+    pytest.mark.multigpu,
+    pytest.mark.skipif(WORLD < 2, reason=f"needs >= 2 GPUs / ranks, have {WORLD}"),
+]
+FULL = os.environ.get("DISTNORM_FULL") == "1"
+TIMEOUT_S = 900 if FULL else 400
+MiB = 1 << 20
+BUFFER_BYTES = 32 * MiB
+
+QUANTS = {
+    "none": (None, {}),
+    "fp8": ("fp8", {}),
+    "fp8_per_token": ("fp8_per_token", {}),
+    "nvfp4": ("nvfp4", {"sf_layout": "swizzled"}),
+    "mxfp8": ("mxfp8", {"sf_layout": "swizzled"}),
+}
+ALGOS = ("oneshot", "twoshot")
+if FULL:
+    TOKENS = [1, 3, 64, 1000, 8192, "cap+1"]
+    HIDDEN = [2048, 4096, 7168, 8192]
+else:
+    TOKENS = [1, 3, 1000, "cap+1"]
+    HIDDEN = [4096, 7168]
+
+
+# --- helpers (run on every rank) -----------------------------------------------------------
+def _boot():
+    from distnorm.comm import resolve_bootstrap
+    return resolve_bootstrap(None)
+
+
+def _gathered_check(boot, check, *args):
+    error = None
+    try:
+        check(*args)
+    except Exception as e:  # noqa: BLE001 - re-raised collectively below
+        import traceback
+        error = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"
+    failures = [f"rank {r}: {e}" for r, e in enumerate(boot.all_gather_object(error)) if e]
+    assert not failures, "\n".join(failures)
+
+
+def _all_gather(t: torch.Tensor) -> list:
+    import torch.distributed as dist
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return parts
+
+
+def _inputs(M, H, rank, seed, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed * 7919 + 1000003 * (rank + 1))
+    x = (torch.randn(M, H, generator=g, device="cuda") * 2).to(dtype)
+    g.manual_seed(seed * 7919)  # shared by all ranks
+    res = torch.randn(M, H, generator=g, device="cuda").to(dtype)
+    w = (torch.rand(H, generator=g, device="cuda") + 0.5).to(dtype)
+    return x, res, w
+
+
+def _kwargs(qname):
+    from distnorm import formats
+    quant, opts = QUANTS[qname]
+    kw = dict(quant=quant, **opts)
+    if quant == "fp8":
+        kw["scale"] = torch.tensor([0.05], device="cuda")
+    if quant == "nvfp4":
+        kw["global_scale"] = torch.tensor([448 * 6 / 12.0], device="cuda")
+    spec = formats.make_quant_spec(quant, **opts)
+    return kw, spec
+
+
+def _poisoned_outs(spec, M, H, dtype):
+    from distnorm import formats
+    from quant_check import poison_like
+    outs = {"residual_out": poison_like(torch.empty(M, H, dtype=dtype, device="cuda")),
+            "y_out": poison_like(torch.empty(M, H, dtype=dtype, device="cuda"))}
+    if spec is not None:
+        outs["q_out"] = poison_like(torch.empty(formats.q_shape(spec, M, H), dtype=formats.q_dtype(spec),
+                                                device="cuda"))
+        if formats.scales_geometry(spec, M, H) is not None:
+            outs["scales_out"] = poison_like(formats.empty_scales(spec, M, H, "cuda"))
+    return outs
+
+
+def _check(out, ref, spec, kw, M, H):
+    from quant_check import assert_quant_close, assert_y_close
+    assert torch.equal(out.residual.view(torch.int16), ref.residual.view(torch.int16)), \
+        f"residual not bitwise equal at {(out.residual.view(torch.int16) != ref.residual.view(torch.int16)).sum().item()} elements"
+    assert torch.equal(out.allreduce.view(torch.int16), ref.allreduce.view(torch.int16)), "allreduce_out differs"
+    assert_y_close(out.y, ref.y)
+    if spec is not None:
+        assert_quant_close(out.q, out.scales, ref, spec, M, H, scale=kw.get("scale"),
+                           global_scale=kw.get("global_scale"))
+
+
+def _check_same_across_ranks(out, spec):
+    tensors = [out.residual, out.y, out.allreduce]
+    if spec is not None:
+        tensors.append(out.q)
+        if spec.kind != "fp8":
+            tensors.append(out.scales)
+    for i, t in enumerate(tensors):
+        b = t.contiguous().view(torch.uint8)
+        parts = _all_gather(b)
+        for r, p in enumerate(parts):
+            assert torch.equal(p, parts[0]), f"output {i} of rank {r} differs from rank 0's"
+
+
+def _capacity_rows(algo, world, H, spec):
+    from distnorm.allreduce_ops import max_chunk_rows
+    swz = spec is not None and spec.block_scaled and spec.sf_layout == "swizzled"
+    return max_chunk_rows(algo, world, 1 << 30, H, 2, BUFFER_BYTES, swz, True)
+
+
+def _one_case(ws, boot, algo, qname, M, H, seed):
+    from distnorm.allreduce_ops import allreduce, allreduce_add_rmsnorm
+    from distnorm.reference import allreduce_add_rmsnorm_ref, allreduce_ref
+
+    kw, spec = _kwargs(qname)
+    x, res, w = _inputs(M, H, ws.rank, seed)
+    xs = _all_gather(x)
+    ref = allreduce_add_rmsnorm_ref(xs, res, w, 1e-6, norm_out=True, allreduce_out=True, **kw)
+    outs = _poisoned_outs(spec, M, H, x.dtype)
+    out = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, algo=algo, norm_out=True,
+                                allreduce_out=True, **kw, **outs)
+    torch.cuda.synchronize()
+    ws.raise_if_failed()
+    _check(out, ref, spec, kw, M, H)
+    _check_same_across_ranks(out, spec)
+    if qname == "none":  # plain all-reduce, same kernels
+        s = allreduce(x, workspace=ws, algo=algo)
+        torch.cuda.synchronize()
+        assert torch.equal(s.view(torch.int16), allreduce_ref(xs).view(torch.int16)), "allreduce() differs"
+
+
+def _body_grid(algo: str) -> None:
+    from distnorm.comm import Workspace
+    boot = _boot()
+    with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
+        assert ws.p2p_ok, f"no peer mappings: {ws.fallback_reason}"
+        seed = 1
+        for H in HIDDEN:
+            for qname in QUANTS:
+                _, spec = _kwargs(qname)
+                for M in TOKENS:
+                    if M == "cap+1":
+                        M = _capacity_rows(algo, ws.world_size, H, spec) + 1
+                    seed += 1
+                    try:
+                        _gathered_check(boot, _one_case, ws, boot, algo, qname, M, H, seed)
+                    except AssertionError as e:
+                        raise AssertionError(f"{algo} {qname} M={M} H={H}: {e}") from None
+        ws.barrier()
+
+
+def _body_graph(algo: str, replays: int) -> None:
+    from distnorm.allreduce_ops import allreduce_add_rmsnorm
+    from distnorm.comm import Workspace
+    from distnorm.reference import allreduce_add_rmsnorm_ref
+
+    boot = _boot()
+    M, H = 64, 4096
+    with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
+        kw, spec = _kwargs("fp8_per_token")
+        x, res, w = _inputs(M, H, ws.rank, 99)
+        outs = _poisoned_outs(spec, M, H, x.dtype)
+        out = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, algo=algo, norm_out=True,
+                                    allreduce_out=False, **kw, **outs)  # compile outside capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, algo=algo, norm_out=True,
+                                        **kw, **outs)
+        torch.cuda.synchronize()
+
+        def run():
+            for i in range(replays):
+                xi, _, _ = _inputs(M, H, ws.rank, 1000 + i)
+                x.copy_(xi)
+                g.replay()
+                if i % 97 == 0 or i == replays - 1:
+                    torch.cuda.synchronize()
+                    ws.raise_if_failed()
+                    ref = allreduce_add_rmsnorm_ref(_all_gather(x), res, w, 1e-6, norm_out=True, **kw)
+                    assert torch.equal(out.residual, ref.residual), f"replay {i}: residual differs"
+                    from quant_check import assert_quant_close, assert_y_close
+                    assert_y_close(out.y, ref.y)
+                    assert_quant_close(out.q, out.scales, ref, spec, M, H)
+        _gathered_check(boot, run)
+        ws.barrier()
+
+
+def _body_back_to_back(calls: int) -> None:
+    from distnorm.allreduce_ops import allreduce_add_rmsnorm
+    from distnorm.comm import Workspace
+    from distnorm.reference import allreduce_add_rmsnorm_ref
+
+    boot = _boot()
+    H = 4096
+    sizes = [1, 7, 64, 300, 2048, 5]
+    with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
+        kw, spec = _kwargs("fp8")
+        data = {M: _inputs(M, H, ws.rank, 500 + M) for M in sizes}
+        refs = {M: allreduce_add_rmsnorm_ref(_all_gather(data[M][0]), data[M][1], data[M][2], 1e-6,
+                                             **kw) for M in sizes}
+        last = {}
+        for i in range(calls):
+            M = sizes[i % len(sizes)]
+            algo = ("oneshot", "twoshot", "auto")[(i // len(sizes)) % 3]
+            x, res, w = data[M]
+            last[M] = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, algo=algo, **kw)
+        torch.cuda.synchronize()
+
+        def check():
+            ws.raise_if_failed()
+            for M in sizes:
+                assert torch.equal(last[M].residual, refs[M].residual), f"M={M}: residual differs"
+                eq = (last[M].q.view(torch.uint8) == refs[M].q.view(torch.uint8)).float().mean().item()
+                assert eq >= 0.999, f"M={M}: only {eq} of fp8 bytes equal"
+        _gathered_check(boot, check)
+        ws.barrier()
+
+
+# --- tests ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("algo", ALGOS)
+def test_allreduce_add_rmsnorm_grid(algo):
+    run_distributed(_body_grid, algo, timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_cuda_graph_replays(algo):
+    run_distributed(_body_graph, algo, 1000, timeout_s=TIMEOUT_S)
+
+
+def test_back_to_back_changing_m():
+    run_distributed(_body_back_to_back, 10_000, timeout_s=TIMEOUT_S)

@@ -177,7 +177,7 @@ def test_spawn_propagates_child_assertion():
 def test_spawn_kills_children_on_timeout():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="still running"):
-        spawn(_body_sleep, 2, timeout_s=4)
+        spawn(_body_sleep, 2, timeout_s=3)
     assert time.monotonic() - start < 20
     assert multiprocessing.active_children() == []
 
@@ -337,8 +337,10 @@ class _FakeDriver:
 
     GRANULARITY = 64 << 10
 
-    def __init__(self, fail_create: bool = False):
-        from cuda.bindings import driver as real
+    def __init__(self, fail_create: bool = False, device: int = 0, has_context: bool = True):
+        from distnorm.comm.vmm import driver
+
+        real = driver()
 
         self._real, self.fail_create = real, fail_create
         for name in ("CUresult", "CUmemAllocationProp", "CUmemAllocationType", "CUmemLocationType",
@@ -352,6 +354,7 @@ class _FakeDriver:
                                    ctypes.c_int, ctypes.c_long]
         self.libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         self.handles = set()
+        self.device, self.has_context, self.retained = device, has_context, 0
 
     def _mmap(self, addr, size, prot, flags, fd):
         out = self.libc.mmap(addr, size, prot, flags, fd, 0)
@@ -365,10 +368,26 @@ class _FakeDriver:
         return (self.ok,)
 
     def cuCtxGetCurrent(self):
-        return (self.ok, 1)
+        return (self.ok, 1 if self.has_context else 0)
 
     def cuCtxGetDevice(self):
-        return (self.ok, 0)
+        return (self.ok, self.device)
+
+    def cuDeviceGet(self, index):
+        assert index == self.device
+        return (self.ok, index)
+
+    def cuDevicePrimaryCtxRetain(self, device):
+        self.retained += 1
+        return (self.ok, 1)
+
+    def cuCtxSetCurrent(self, ctx):
+        self.has_context = True
+        return (self.ok,)
+
+    def cuDevicePrimaryCtxRelease(self, device):
+        self.retained -= 1
+        return (self.ok,)
 
     def cuMemGetAllocationGranularity(self, prop, flag):
         return (self.ok, self.GRANULARITY)
@@ -422,19 +441,21 @@ class _FakeDriver:
         return (self.ok,)
 
 
-def _body_fake_vmm(fail_rank: int) -> None:
+def _body_fake_vmm() -> None:
     import distnorm.comm.vmm as vmm
 
     boot = resolve_bootstrap(None)
     rank, world = boot.rank, boot.world_size
-    fake = _FakeDriver(fail_create=rank == fail_rank)
-    vmm.driver = lambda: fake
     fds_before = len(os.listdir("/proc/self/fd"))
-    if fail_rank >= 0:
-        with pytest.raises(BackendUnavailable, match=rf"rank {fail_rank}: RuntimeError: cuMemCreate"):
-            vmm.VmmAllocation(boot, 100_000, 5_000, 0)
-        assert len(os.listdir("/proc/self/fd")) == fds_before and not fake.handles
-        return
+    # a failure on one rank fails every rank, and leaves nothing behind
+    fake = _FakeDriver(fail_create=rank == 1)
+    vmm.driver = lambda: fake
+    with pytest.raises(BackendUnavailable, match=r"rank 1: RuntimeError: cuMemCreate"):
+        vmm.VmmAllocation(boot, 100_000, 5_000, 0)
+    assert len(os.listdir("/proc/self/fd")) == fds_before and not fake.handles
+
+    fake = _FakeDriver()
+    vmm.driver = lambda: fake
     buffer_bytes, signal_bytes = 100_000, 5_000
     alloc = vmm.VmmAllocation(boot, buffer_bytes, signal_bytes, 0, timeout_s=20)
     assert alloc.size % fake.GRANULARITY == 0 and alloc.size >= alloc.signal_offset + signal_bytes
@@ -462,8 +483,109 @@ def _body_fake_vmm(fail_rank: int) -> None:
 
 
 def test_vmm_protocol_with_fake_driver():
-    spawn(_body_fake_vmm, 3, -1, timeout_s=60)
+    spawn(_body_fake_vmm, 3, timeout_s=60)
 
 
-def test_vmm_failure_on_one_rank_fails_all_cleanly():
-    spawn(_body_fake_vmm, 2, 1, timeout_s=60)
+# --- Workspace end to end on CPU: torch.cuda faked, VMM through the fake driver ------------------
+def _fake_cuda(rank: int, peer_access: bool = True, host: str = "node0") -> _FakeDriver:
+    """Patch (in this spawned child only) what Workspace asks of torch.cuda, and the driver."""
+    import contextlib
+    import types
+
+    import distnorm.comm.vmm as vmm
+    import distnorm.comm.workspace as workspace
+
+    cuda = torch.cuda
+    cuda.is_available = lambda: True
+    cuda.device_count = lambda: 2
+    cuda.current_device = lambda: rank
+    cuda.get_device_properties = lambda i: types.SimpleNamespace(uuid=f"GPU-{i}")
+    cuda.can_device_access_peer = lambda a, b: peer_access
+    cuda.device = lambda i: contextlib.nullcontext()
+    cuda.synchronize = lambda *a: None
+    workspace._pinned_zeros = lambda n: torch.zeros(n, dtype=torch.int32)
+    workspace._ptr_table = lambda ptrs, device: torch.tensor(ptrs, dtype=torch.int64)
+    workspace.tensor_from_ptr = lambda ptr, n, device, owner=None: tensor_from_ptr(ptr, n, "cpu", owner)
+    workspace.socket.gethostname = lambda: host
+    fake = _FakeDriver(device=rank, has_context=rank == 0)  # rank 1: no current context yet
+    vmm.driver = lambda: fake
+    return fake
+
+
+def _body_workspace_end_to_end() -> None:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fake = _fake_cuda(rank)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    with Workspace(backend="auto", buffer_bytes=1 << 16, signal_bytes=4096) as ws:
+        assert (ws.backend, ws.p2p_ok, ws.single_node, ws.fallback_reason) == ("vmm", True, True, None)
+        assert (ws.rank, ws.world_size, ws.device_index) == (rank, world, rank)
+        assert ws.buffer_ptrs.tolist() == ws.buffer_ptrs_host
+        for r in range(world):
+            assert int(ws.peer_buffer(r).count_nonzero()) == 0
+            assert int(ws.peer_signal(r).count_nonzero()) == 0
+        ws.barrier()
+        ws.local_buffer(torch.bfloat16, (8, 4)).fill_(rank + 0.5)
+        ws.peer_signal((rank + 1) % world)[rank] = 10 + rank
+        ws.barrier()
+        for r in range(world):
+            assert bool((ws.peer_buffer(r, torch.bfloat16, 32) == r + 0.5).all())
+        left = (rank - 1) % world
+        assert int(ws.peer_signal(rank)[left]) == 10 + left
+        with pytest.raises(ValueError, match="holds 65536"):
+            ws.peer_buffer(0, torch.float32, 1 + (1 << 14))
+        with pytest.raises(ValueError, match="rank must be in"):
+            ws.peer_buffer(world)
+        ws.error_flag[:3] = torch.tensor([1, 1 - rank, 5], dtype=torch.int32)
+        with pytest.raises(CommTimeoutError, match=f"waiting for rank {1 - rank} at epoch 5"):
+            ws.raise_if_failed()
+        ws.reset_error()
+        ws.barrier()
+    assert ws.closed and not ws.p2p_ok and not fake.handles and fake.retained == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        ws.peer_buffer(0)
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+
+    # an explicit backend that fails raises; auto falls back with the reason
+    with pytest.raises(RuntimeError, match="backend 'torch_symm' failed"):
+        Workspace(backend="torch_symm", buffer_bytes=4096)
+    fake.fail_create = True
+    with Workspace(buffer_bytes=4096) as ws:
+        assert ws.backend == "none" and not ws.p2p_ok
+        assert "vmm" in ws.fallback_reason and "cuMemCreate" in ws.fallback_reason
+    fake.fail_create = False
+
+    # leaking a workspace warns
+    with pytest.warns(ResourceWarning, match="unclosed"):
+        ws = Workspace(buffer_bytes=4096)
+        del ws
+        gc.collect()
+    assert not fake.handles  # __del__ closed it
+    dist.barrier()
+    for case in ("nodes", "no_p2p"):
+        _workspace_topology(case)
+
+
+def _workspace_topology(case: str) -> None:
+    """Across nodes, or without P2P: a workspace without mappings that says why."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if case == "nodes":
+        _fake_cuda(rank, host=f"node{rank}")
+    else:
+        _fake_cuda(rank, peer_access=False)
+    with Workspace(backend="vmm", buffer_bytes=4096) as ws:
+        assert not ws.p2p_ok and ws.backend == "none" and ws.buffer_ptrs is None
+        if case == "nodes":
+            assert not ws.single_node and "spans 2 nodes" in ws.fallback_reason
+        else:
+            assert ws.single_node and "peer-to-peer" in ws.fallback_reason
+        with pytest.raises(RuntimeError, match="no peer mappings"):
+            ws.peer_buffer(0)
+
+
+def test_workspace_end_to_end_with_faked_cuda():
+    spawn(_body_workspace_end_to_end, 2, timeout_s=60)

@@ -7,6 +7,7 @@
 
 Nothing here touches CUDA at import time; cuda-python, mpi4py and nvshmem4py load on first use.
 """
+from distnorm.comm._views import tensor_from_ptr
 from distnorm.comm.bootstrap import Bootstrap, MPIBootstrap, TorchBootstrap, agree, resolve_bootstrap
 from distnorm.comm.errors import (ERROR_NAMES, ERROR_NONE, ERROR_TIMEOUT, BackendUnavailable,
                                   CommError, CommTimeoutError)
@@ -18,5 +19,5 @@ __all__ = [
     "Bootstrap", "TorchBootstrap", "MPIBootstrap", "resolve_bootstrap", "agree",
     "CommError", "CommTimeoutError", "BackendUnavailable",
     "ERROR_NONE", "ERROR_TIMEOUT", "ERROR_NAMES",
-    "exchange_fds",
+    "exchange_fds", "tensor_from_ptr",
 ]

@@ -62,6 +62,18 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+def _pinned_zeros(words: int) -> Any:
+    import torch
+
+    return torch.zeros(words, dtype=torch.int32, pin_memory=True)
+
+
+def _ptr_table(ptrs: list[int], device: Any) -> Any:
+    import torch
+
+    return torch.tensor(ptrs, dtype=torch.int64, device=device)
+
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -156,6 +168,7 @@ class Workspace:
             raise RuntimeError("distnorm.comm.Workspace needs a CUDA device, but torch sees none "
                                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); "
                                "use a CUDA build of torch on a machine with NVIDIA GPUs")
+        self._torch = torch
         boot = resolve_bootstrap(group)
         self._boot = boot
         self.group = boot.group
@@ -169,7 +182,7 @@ class Workspace:
         self.buffer_ptrs: Any = None
         self.signal_ptrs: Any = None
         with torch.cuda.device(self.device_index):
-            self.error_flag = torch.zeros(_ERROR_WORDS, dtype=torch.int32, pin_memory=True)
+            self.error_flag = _pinned_zeros(_ERROR_WORDS)
             problem = _topology_problem(boot, self.device_index)
             self.single_node = problem is None or not problem.startswith("group spans")
             if problem is None:
@@ -178,13 +191,15 @@ class Workspace:
                 self.fallback_reason = problem
                 log.info("distnorm.comm.Workspace: no peer mappings (%s); use the NCCL path", problem)
             else:
-                self.backend = self._impl.name
-                self.buffer_ptrs_host = list(self._impl.buffer_ptrs)
-                self.signal_ptrs_host = list(self._impl.signal_ptrs)
-                self.buffer_ptrs = torch.tensor(self.buffer_ptrs_host, dtype=torch.int64,
-                                                device=self.device)
-                self.signal_ptrs = torch.tensor(self.signal_ptrs_host, dtype=torch.int64,
-                                                device=self.device)
+                try:
+                    self.backend = self._impl.name
+                    self.buffer_ptrs_host = [int(p) for p in self._impl.buffer_ptrs]
+                    self.signal_ptrs_host = [int(p) for p in self._impl.signal_ptrs]
+                    self.buffer_ptrs = _ptr_table(self.buffer_ptrs_host, self.device)
+                    self.signal_ptrs = _ptr_table(self.signal_ptrs_host, self.device)
+                except BaseException:
+                    self._impl.close()
+                    raise
         self._closed = False
 
     def _open_backend(self, backend: str, boot: Bootstrap, timeout_s: float) -> tuple[Any, str | None]:
@@ -222,6 +237,16 @@ class Workspace:
     def error_flag_ptr(self) -> int:
         """Address of ``error_flag`` (pinned host memory; the same address works on the GPU)."""
         return int(self.error_flag.data_ptr())
+
+    @property
+    def error_flag_device(self) -> Any:
+        """``error_flag`` as an int32 CUDA tensor of the local device (same pinned memory, UVA)."""
+        view = self.__dict__.get("_error_flag_device")
+        if view is None:  # owner: the pinned tensor, not self (no reference cycle)
+            view = tensor_from_ptr(self.error_flag_ptr, _ERROR_WORDS * 4, self.device,
+                                   owner=self.error_flag).view(self._torch.int32)
+            self._error_flag_device = view
+        return view
 
     def _require_mapped(self) -> None:
         if self._closed:

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from distnorm.comm import BACKENDS, CommTimeoutError, Workspace, resolve_bootstrap
-from distnorm.comm._views import tensor_from_ptr
 from distnorm.launch import detect_launch_env, get_or_create_group, launch_world_size, run_distributed
 
 WORLD = launch_world_size()
@@ -192,7 +191,8 @@ def _body_auto_and_errors() -> None:
                 ws.peer_buffer(0)
         ws.raise_if_failed()
         # a device-side store to the pinned error words, as a timed-out kernel would do
-        flag = tensor_from_ptr(ws.error_flag_ptr, 16, ws.device).view(torch.int32)
+        flag = ws.error_flag_device
+        assert flag.device == ws.device and flag.data_ptr() == ws.error_flag.data_ptr()
         for word, value in enumerate((1, (ws.rank + 1) % ws.world_size, 7)):
             flag[word].fill_(value)  # a kernel storing to pinned host memory through UVA
         torch.cuda.synchronize()

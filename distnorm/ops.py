@@ -143,12 +143,17 @@ def kernel_views(spec: Optional[QuantSpec], q: Optional[Tensor], scales: Optiona
 
 
 def cluster_for(H: int, M: int) -> int:
-    """Thread-block cluster size: split a row over 2 CTAs when rows are long and few.
+    """Thread-block cluster size (CTAs sharing one row through distributed shared memory).
 
-    Measured on H200 (benchmarks/single_gpu.md): below the row count where one CTA per row already
-    fills the 132 SMs, a 2-CTA cluster shortens each row's critical path for H >= 16384.
+    Few rows (M <= 64): one CTA per 4096 elements of a row, up to the portable 8, so a decode step's
+    row is spread over several SMs and each thread's serial chain stays at ~4 vectors. Many rows:
+    no cluster, except H = 32768, where one CTA per row would need 1024 threads (capped at 64
+    registers, which spills) or 8 vectors per thread; 2 CTAs of 512 threads hold it in registers.
+    Chosen from benchmarks/results/single_gpu_h200.md (M in 1..65536, H200).
     """
-    return 2 if H >= 16384 and M <= 512 else 1
+    if M <= 64:
+        return max(1, min(8, H // 4096))
+    return 2 if H >= 32768 else 1
 
 
 def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,

@@ -55,6 +55,14 @@ class FusedAddRMSNormQuant:
         m = mX.shape[0]
         row_valid = row < m
 
+        # scalars first: their loads overlap the row loads instead of following the residual stores
+        static_inv = Float32(0.0)
+        global_scale = Float32(0.0)
+        if const_expr(self.q.kind == "fp8"):
+            static_inv = ptx.rcp_rn(mScale[0])
+        if const_expr(self.q.kind == "nvfp4"):
+            global_scale = mGS[0]
+
         smem = cutlass.utils.SmemAllocator()
         bufs = self.core.allocate_smem(smem)
         if const_expr(t.cluster_n > 1):
@@ -92,11 +100,5 @@ class FusedAddRMSNormQuant:
         else:
             rH.store(rX.load().to(Float32))
 
-        static_inv = Float32(0.0)
-        global_scale = Float32(0.0)
-        if const_expr(self.q.kind == "fp8"):
-            static_inv = ptx.rcp_rn(mScale[0])
-        if const_expr(self.q.kind == "nvfp4"):
-            global_scale = mGS[0]
         self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, cta_rank, eps, mW, mY,
                            mQ, mS, static_inv, global_scale, bufs)

@@ -21,7 +21,7 @@ from cutlass import Float32, Int32, const_expr
 from distnorm.kernels import ptx
 
 VEC = 8  # elements per 16-byte vector of bf16/fp16
-MAX_THREADS = 1024
+MAX_THREADS = 512  # 1024-thread CTAs cap registers at 64 and spill; long rows use a cluster instead
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 PER_TOKEN_MIN_AMAX = 1e-10  # docs/SEMANTICS.md: s = max(a, 1e-10) / 448
@@ -257,6 +257,14 @@ class NormQuantCore:
         t = self.t
         nv = t.vecs_per_thread
         vbase = cta_rank * t.vecs_per_cta_row
+        # the weight load is issued before the reduction so its latency hides behind it (matters at M=1)
+        rW = cute.make_rmem_tensor(cute.make_layout(nv * VEC), mW.element_type)
+        rW.fill(0.0)
+        tW = cute.zipped_divide(mW, (VEC,))
+        for j in cutlass.range_constexpr(nv):
+            v = lane + j * t.threads_per_row
+            if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                self._slice(rW, j).store(tW[(None, vbase + v)].load())
         # sum of squares (tail vectors of a ragged row hold zeros)
         ss = Float32(0.0)
         for i in cutlass.range_constexpr(nv * VEC):
@@ -264,16 +272,13 @@ class NormQuantCore:
         ss = self.row_reduce(ss, False, bufs[0], row_in_cta, lane, cta_rank)
         r = ptx.rsqrt_rn(ptx.div_rn(ss, Float32(t.hidden)) + eps)
         # y = (h * r) * w, kept in registers (reusing rH)
-        tW = cute.zipped_divide(mW, (VEC,))
         for j in cutlass.range_constexpr(nv):
-            v = lane + j * t.threads_per_row
-            if const_expr(t.exact) or v < t.vecs_per_cta_row:
-                w = tW[(None, vbase + v)].load().to(Float32)
-                for e in cutlass.range_constexpr(VEC):
-                    wf = w[e]
-                    if const_expr(self.gemma):
-                        wf = Float32(1.0) + wf
-                    rH[j * VEC + e] = (rH[j * VEC + e] * r) * wf
+            w = self._slice(rW, j).load().to(Float32)
+            for e in cutlass.range_constexpr(VEC):
+                wf = w[e]
+                if const_expr(self.gemma):
+                    wf = Float32(1.0) + wf
+                rH[j * VEC + e] = (rH[j * VEC + e] * r) * wf
         if const_expr(self.write_y):
             if row_valid:
                 tY = cute.zipped_divide(mY[row, None], (VEC,))

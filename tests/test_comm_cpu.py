@@ -89,6 +89,10 @@ def _body_sleep() -> None:
     time.sleep(600)
 
 
+def _body_hang_at_exit() -> None:
+    threading.Thread(target=time.sleep, args=(600,), daemon=False).start()  # blocks exit
+
+
 # --- fd passing -------------------------------------------------------------------------------
 def test_bootstrap_and_fd_exchange_across_real_processes():
     spawn(_body_bootstrap_and_fds, 3, 0.3, timeout_s=60)
@@ -179,6 +183,16 @@ def test_spawn_kills_children_on_timeout():
     with pytest.raises(TimeoutError, match="still running"):
         spawn(_body_sleep, 2, timeout_s=3)
     assert time.monotonic() - start < 20
+    assert multiprocessing.active_children() == []
+
+
+def test_spawn_kills_children_stuck_at_exit_after_success(monkeypatch):
+    import importlib
+
+    spawn_mod = importlib.import_module("distnorm.launch.spawn")  # the package's `spawn` is the function
+    monkeypatch.setattr(spawn_mod, "_EXIT_GRACE_S", 0.5)
+    with pytest.warns(RuntimeWarning, match=r"ranks \[0\] passed but did not exit"):
+        spawn(_body_hang_at_exit, 1, timeout_s=60)
     assert multiprocessing.active_children() == []
 
 

@@ -302,7 +302,8 @@ class Workspace:
 
     def barrier(self) -> None:
         """Host barrier over the workspace's group (collective)."""
-        self._boot.barrier()
+        with self._torch.cuda.device(self.device_index):
+            self._boot.barrier()
 
     # --- device-side errors ----------------------------------------------------------------
     def raise_if_failed(self) -> None:
@@ -332,8 +333,9 @@ class Workspace:
         impl, self._impl = self._impl, None
         self.buffer_ptrs = self.signal_ptrs = None
         if impl is not None:
-            torch.cuda.synchronize(self.device_index)  # no kernel may still use the mappings
-            impl.close()
+            with torch.cuda.device(self.device_index):  # driver calls need our context current
+                torch.cuda.synchronize(self.device_index)  # no kernel may still use the mappings
+                impl.close()
 
     def __enter__(self) -> Workspace:
         return self

@@ -1,6 +1,9 @@
 """distnorm: fused all-reduce + residual add + RMSNorm + FP8/NVFP4 quantization (CuTe DSL kernels)."""
 from .formats import NormQuantOutput, QuantSpec, make_quant_spec
+from .allreduce_ops import allreduce, allreduce_add_rmsnorm
+from .comm import Workspace
 from .ops import add_rmsnorm
 
-__all__ = ["NormQuantOutput", "QuantSpec", "add_rmsnorm", "make_quant_spec"]
+__all__ = ["NormQuantOutput", "QuantSpec", "Workspace", "add_rmsnorm", "allreduce", "allreduce_add_rmsnorm",
+           "make_quant_spec"]
 __version__ = "0.1.0"

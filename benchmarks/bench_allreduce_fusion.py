@@ -1,0 +1,160 @@
+"""Fused all-reduce + residual add + RMSNorm (+ FP8 / NVFP4) latency, side by side in one run with
+NCCL, PyTorch symmetric memory, the unfused chain (eager and torch.compile) and FlashInfer.
+
+    torchrun --nproc-per-node N benchmarks/bench_allreduce_fusion.py --out benchmarks/results/ar_h200_xN
+
+Each entry: CUDA graph of 20 calls, median of 20 replays (us per call), max over ranks. Inputs differ
+per rank. Writes <out>.md / .json / .png. Peers that fail to run are reported, not fatal.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from peers import FlashInferFusion, SymmMemAllReduce, import_flashinfer  # noqa: E402
+
+FI = import_flashinfer()  # before anything imports cutlass
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from common import time_graph_us  # noqa: E402
+
+import distnorm  # noqa: E402
+from distnorm.allreduce_ops import allreduce, allreduce_add_rmsnorm  # noqa: E402
+from distnorm.comm import Workspace  # noqa: E402
+from distnorm.launch import init_distributed  # noqa: E402
+
+EPS = 1e-6
+
+
+def unfused_tail(h_in, res, w, inv):
+    h = h_in + res
+    var = h.float().pow(2).mean(-1, keepdim=True)
+    y = h.float() * torch.rsqrt(var + EPS) * w.float()
+    return h, (y * inv).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/allreduce_fusion")
+    ap.add_argument("--tokens", type=int, nargs="*", default=[1, 8, 32, 128, 512, 2048, 8192, 16384])
+    ap.add_argument("--hidden", type=int, nargs="*", default=[4096, 8192])
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args()
+    env = init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    group = dist.group.WORLD
+    max_m, max_h = max(args.tokens), max(args.hidden)
+    ws = Workspace(group, buffer_bytes=min(1 << 30, world * max_m * max_h * 2) + (16 << 20))
+    symm = None
+    try:
+        symm = SymmMemAllReduce(max_m * max_h, torch.bfloat16, dev, group)
+    except Exception as e:  # noqa: BLE001
+        if rank == 0:
+            print("symm_mem not available:", repr(e)[:200])
+    fis = {}
+    if FI is not None:
+        for H in args.hidden:
+            try:
+                fis[H] = FlashInferFusion(FI, rank, world, max_m, H, group)
+            except Exception as e:  # noqa: BLE001
+                if rank == 0:
+                    print("flashinfer workspace failed:", repr(e)[:200])
+    compiled_tail = torch.compile(unfused_tail, dynamic=True) if not args.no_compile else None
+    scale = torch.tensor([0.05], device=dev)
+    inv = 1.0 / scale
+    gs = torch.tensor([200.0], device=dev)
+    rows = []
+    for H in args.hidden:
+        w = (torch.rand(H, device=dev) + 0.5).to(torch.bfloat16)
+        for M in args.tokens:
+            g = torch.Generator(device=dev).manual_seed(1000 * rank + M)
+            x = torch.randn(M, H, device=dev, generator=g).to(torch.bfloat16)
+            res = torch.randn(M, H, device=dev, generator=torch.Generator(device=dev).manual_seed(M)).to(torch.bfloat16)
+            ro, yo, xc = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+            q8 = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=dev)
+            cases = {}
+            for algo in ("oneshot", "twoshot"):
+                cases[f"dn_norm_{algo}"] = lambda a=algo: allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, norm_out=True, algo=a, residual_out=ro, y_out=yo)
+                cases[f"dn_fp8_{algo}"] = lambda a=algo: allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, quant="fp8", scale=scale, algo=a, residual_out=ro, q_out=q8)
+                cases[f"dn_nvfp4_{algo}"] = lambda a=algo: allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, quant="nvfp4", global_scale=gs, algo=a, residual_out=ro)
+                cases[f"dn_ar_{algo}"] = lambda a=algo: allreduce(x, workspace=ws, algo=a, out=xc)
+            cases["nccl_ar"] = lambda: (xc.copy_(x), dist.all_reduce(xc))
+            cases["unfused"] = lambda: (xc.copy_(x), dist.all_reduce(xc), unfused_tail(xc, res, w, inv))
+            if compiled_tail is not None:
+                cases["unf_comp"] = lambda: (xc.copy_(x), dist.all_reduce(xc), compiled_tail(xc, res, w, inv))
+            if symm is not None:
+                cases["symm1"] = lambda: symm.one_shot(x)
+                cases["symm2"] = lambda: symm.two_shot(x)
+            if H in fis:
+                fi = fis[H]
+                for pdl in (False, True):
+                    sfx = "_pdl" if pdl else ""
+                    cases["fi_norm" + sfx] = lambda p=pdl: fi.call(x, res, w, residual_out=ro, norm_out=yo, pdl=p)
+                    cases["fi_fp8" + sfx] = lambda p=pdl: fi.call(x, res, w, residual_out=ro, quant_out=q8, scale=scale, pdl=p)
+            row = {"M": M, "H": H, "MB": M * H * 2 / 1e6}
+            for name, fn in cases.items():
+                dist.barrier()
+                try:
+                    us = time_graph_us(fn)
+                    ok = 1.0
+                except Exception as e:  # noqa: BLE001
+                    if rank == 0:
+                        print(f"{name} M={M} H={H} failed: {repr(e)[:160]}", flush=True)
+                    us, ok = float("nan"), 0.0
+                t = torch.tensor([us if us == us else 0.0, ok], device=dev, dtype=torch.float64)
+                dist.all_reduce(t[:1], op=dist.ReduceOp.MAX)
+                dist.all_reduce(t[1:], op=dist.ReduceOp.MIN)
+                row[name] = round(t[0].item(), 2) if t[1].item() == 1.0 else None
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+            del x, res, ro, yo, xc, q8
+    if rank == 0:
+        meta = dict(device=torch.cuda.get_device_name(), world=world, command="torchrun --nproc-per-node %d %s" % (world, " ".join(sys.argv)),
+                    torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())), date=time.strftime("%Y-%m-%d"),
+                    workspace_backend=ws.backend, flashinfer=FI is not None)
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        json.dump(dict(meta=meta, rows=rows), open(args.out + ".json", "w"), indent=1)
+        write_table(args.out + ".md", meta, rows)
+    for fi in fis.values():
+        fi.close()
+    ws.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def best(row, prefix):
+    vals = [v for k, v in row.items() if k.startswith(prefix) and isinstance(v, float)]
+    return min(vals) if vals else None
+
+
+def write_table(path, meta, rows):
+    cols = [c for c in rows[0] if c not in ("M", "H", "MB")]
+    lines = [f"# Fused all-reduce + add + RMSNorm (+quant), {meta['world']} x {meta['device']}", "",
+             f"Command: `{meta['command']}`; torch {meta['torch']}, NCCL {meta['nccl']}, workspace backend "
+             f"{meta['workspace_backend']}, {meta['date']}. us per call: CUDA graph of 20 calls, median of 20 "
+             "replays, max over ranks. dn_* = distnorm (norm: bf16 norm output; fp8: static FP8; nvfp4: "
+             "swizzled scales; ar: plain all-reduce); fi_* = FlashInfer trtllm_allreduce_fusion (fp32 acc).", "",
+             "| M | H | MB | " + " | ".join(cols) + " |", "|---:|---:|---:|" + "---:|" * len(cols)]
+    for r in rows:
+        lines.append(f"| {r['M']} | {r['H']} | {r['MB']:.2f} | " + " | ".join(
+            "" if r.get(c) is None else f"{r[c]:.1f}" for c in cols) + " |")
+    lines += ["", "Best of distnorm vs peers (us):", "",
+              "| M | H | dn fp8 best | fi fp8 best | dn norm best | fi norm best | dn ar best | nccl | symm best |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        f = lambda v: "" if v is None else f"{v:.1f}"  # noqa: E731
+        lines.append(f"| {r['M']} | {r['H']} | {f(best(r, 'dn_fp8'))} | {f(best(r, 'fi_fp8'))} | {f(best(r, 'dn_norm'))} | "
+                     f"{f(best(r, 'fi_norm'))} | {f(best(r, 'dn_ar'))} | {f(r.get('nccl_ar'))} | {f(best(r, 'symm'))} |")
+    open(path, "w").write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

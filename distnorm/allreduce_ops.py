@@ -9,8 +9,14 @@ outputs are bitwise identical on every rank.
 
 Dispatch:
 - CUDA tensors and a workspace with peer mappings: the CuTe kernels of kernels/allreduce.py,
-  "oneshot" or "twoshot" (`algo="auto"` picks by bytes per rank and world size, AUTO_CROSSOVER_BYTES).
-  M is processed in chunks that fit the workspace's data buffer.
+  "lamport", "oneshot" or "twoshot" (`algo="auto"` picks by bytes per rank and world size:
+  lamport up to LAMPORT_CROSSOVER_BYTES when one lamport area holds all of M, then one-shot up to
+  AUTO_CROSSOVER_BYTES, then two-shot). M is processed in chunks that fit the workspace's data
+  buffer (max_chunk_rows; the buffer's last quarter is kept for lamport's three areas, the rest
+  serves oneshot / twoshot, see kernels/lamport.py).
+- lamport: the first lamport call on a workspace fills its areas with the sentinel (collective:
+  every rank must make the same calls; not during CUDA-graph capture: make one call before). After a
+  timeout, call `lamport_reset(ws)` on every rank (after `ws.reset_error()`).
 - a workspace without peer mappings (`workspace.fallback_reason` set: multi-node, no P2P): all-gather
   of x through torch.distributed (NCCL), ordered float32 sum (bitwise the reference), then the
   single-GPU fused kernel (`distnorm.ops.add_rmsnorm`). One log line says why.
@@ -33,46 +39,73 @@ from .ops import (_DTYPE_NAMES, allocate_outputs, cached_spec, check_aligned, ch
 
 log = logging.getLogger(__name__)
 
-ALGOS = ("auto", "oneshot", "twoshot")
+ALGOS = ("auto", "lamport", "oneshot", "twoshot")
 # Bytes per rank (M * H * element size) up to which one-shot beats two-shot, by world size.
 # PLACEHOLDERS: these must be measured on the target machine (benchmarks/) and filled in.
 AUTO_CROSSOVER_BYTES = {2: 512 << 10, 4: 256 << 10, 8: 128 << 10}
+# Bytes per rank up to which lamport (one-shot without barriers) is used. PLACEHOLDERS as above.
+LAMPORT_CROSSOVER_BYTES = {2: 256 << 10, 4: 128 << 10, 8: 64 << 10}
 
 _SM_COUNT: dict = {}
 _ERR_VIEWS: dict = {}
 _LOGGED_FALLBACK: set = set()
 
 
-def choose_algo(algo: str, world: int, m: int, hidden: int, elem_size: int) -> str:
+def choose_algo(algo: str, world: int, m: int, hidden: int, elem_size: int,
+                buffer_bytes: Optional[int] = None) -> str:
+    """The algorithm for `algo` ("auto" picks by bytes per rank; lamport only when, given the
+    workspace's buffer_bytes, one lamport call holds all M rows)."""
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
     if algo != "auto":
         return algo
     if world <= 1:
         return "oneshot"
+    nbytes = m * hidden * elem_size
+    lam = LAMPORT_CROSSOVER_BYTES.get(world, LAMPORT_CROSSOVER_BYTES[8])
+    if nbytes <= lam and (buffer_bytes is None
+                          or m <= _lamport_capacity(world, hidden, elem_size, buffer_bytes)):
+        return "lamport"
     limit = AUTO_CROSSOVER_BYTES.get(world, AUTO_CROSSOVER_BYTES[8])
-    return "oneshot" if m * hidden * elem_size <= limit else "twoshot"
+    return "oneshot" if nbytes <= limit else "twoshot"
+
+
+def _lamport_capacity(world: int, hidden: int, elem_size: int, buffer_bytes: int) -> int:
+    from .kernels.lamport import capacity_rows
+    return capacity_rows(world, hidden, elem_size, buffer_bytes)
 
 
 def max_chunk_rows(algo: str, world: int, m: int, hidden: int, elem_size: int, buffer_bytes: int,
                    swizzled: bool, gather_acc: bool) -> int:
-    """Most rows one launch may take without overflowing the data buffer (>= 1 or ValueError).
+    """Most rows one launch may take without overflowing its part of the data buffer (>= 1 or
+    ValueError). buffer_bytes: the workspace's whole data buffer.
 
-    one-shot uses world * rows * H elements; two-shot world * ceil(rows_p / world) * H per area
+    The buffer is split (kernels/lamport.py, lamport_layout): oneshot / twoshot use the first
+    `general` bytes, lamport three areas of `area` bytes after them. one-shot uses world * rows * H
+    elements; lamport the same in one area; two-shot world * ceil(rows_p / world) * H per part
     (scatter, gather h, optionally gather acc), rows_p = rows padded to 128 for swizzled scales.
     Swizzled chunks after the first must start at multiples of 128 rows.
     """
+    from .kernels.lamport import lamport_layout
+
     row_bytes = hidden * elem_size
-    if algo == "oneshot":
+    general, area = lamport_layout(buffer_bytes)
+    if algo == "lamport":
+        cap = area // (world * row_bytes)
+        if swizzled and m > cap:
+            cap = cap // 128 * 128
+    elif algo == "oneshot":
+        buffer_bytes = general
         cap = buffer_bytes // (world * row_bytes)
         if swizzled and m > cap:
             cap = cap // 128 * 128
     else:
+        buffer_bytes = general
         cap = buffer_bytes // ((2 + (1 if gather_acc else 0)) * row_bytes) - (world - 1)
         if swizzled:
             cap = cap // 128 * 128
     if cap < 1:
-        raise ValueError(f"workspace buffer of {buffer_bytes} bytes cannot hold one chunk of "
+        raise ValueError(f"workspace buffer of {general + 3 * area} bytes cannot hold one chunk of "
                          f"H={hidden} for {algo} on {world} ranks; create it with a larger buffer_bytes")
     return cap
 
@@ -113,14 +146,45 @@ def _timeout_ns() -> int:
 
 
 def _check_regions(ws) -> None:
-    """Once per workspace: the signal pad holds the one-shot and two-shot barrier regions."""
+    """Once per workspace: the signal pad holds the one-shot / two-shot barrier regions and lamport's
+    state region."""
     if _REGIONS_OK.get(id(ws)) is ws:
         return
     from .kernels.allreduce import REGION
     from .kernels.sync import check_region, region_word
-    for idx in REGION.values():
-        check_region(ws, region_word(idx))
+    for name, idx in REGION.items():
+        if name != "lamport":  # lamport's state region is checked when it is first prepared
+            check_region(ws, region_word(idx))
     _REGIONS_OK[id(ws)] = ws
+
+
+_LAMPORT: dict = {}
+
+
+def _lamport_table(ws) -> Tensor:
+    """Once per workspace: fill the lamport areas with the sentinel (collective, kernels/lamport.py
+    reset) and build the area pointer table; then the cached table."""
+    hit = _LAMPORT.get(id(ws))
+    if hit is not None and hit[0] is ws:
+        return hit[1]
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("distnorm: the first lamport all-reduce on a workspace prepares its buffers "
+                           "(collective, not capturable): make one call with algo='lamport' (or "
+                           "call distnorm.allreduce_ops.lamport_reset(ws) on every rank) before "
+                           "CUDA-graph capture")
+    lamport_reset(ws)
+    return _LAMPORT[id(ws)][1]
+
+
+def lamport_reset(ws) -> None:
+    """(Re)initialize the workspace's lamport state: sentinel-fill this rank's three areas, zero the
+    call state, then a host barrier. Collective: call on every rank while no kernel of `ws` runs,
+    e.g. after `ws.reset_error()` following a timeout (the areas may be half written then)."""
+    from .kernels import lamport
+
+    torch.cuda.synchronize(ws.device)
+    lamport.reset(ws)
+    _LAMPORT[id(ws)] = (ws, lamport.area_ptr_table(ws))
 
 
 def _chunk(t: Optional[Tensor], a: int, b: int) -> Optional[Tensor]:
@@ -148,8 +212,13 @@ def run_allreduce_kernel(x, residual, weight, eps, spec, scale, global_scale, ge
     if M == 0:
         return
     world = ws.world_size
-    algo = choose_algo(algo, world, M, H, x.element_size())
+    algo = choose_algo(algo, world, M, H, x.element_size(), ws.buffer_bytes)
     qparams = cached_spec(*spec_to_user_args(spec))[1]
+    if algo == "lamport" and qparams.swizzled and M > 1:
+        cap = _lamport_capacity(world, H, x.element_size(), ws.buffer_bytes)
+        if cap < M and cap < 128:
+            # swizzled-scale chunks must start at multiples of 128 rows; a lamport area holds fewer
+            algo = "oneshot"
     write_y = y_out is not None
     write_ar = ar_out is not None
     gather_acc = write_ar and residual is not None
@@ -164,12 +233,13 @@ def run_allreduce_kernel(x, residual, weight, eps, spec, scale, global_scale, ge
     step = max_chunk_rows(algo, world, M, H, x.element_size(), ws.buffer_bytes, swizzled, gather_acc)
     err = _err_view(ws)
     _check_regions(ws)
+    ptrs = _lamport_table(ws) if algo == "lamport" else ws.buffer_ptrs
     ctas = _sm_count(x.device)
     for a in range(0, M, step):
         b = min(M, a + step)
         kernel(x[a:b], _chunk(residual, a, b), _chunk(residual_out, a, b), weight, _chunk(y_out, a, b),
                _chunk(qv, a, b), _scales_chunk(spec, sv, a, b, H), scale, global_scale,
-               _chunk(ar_out, a, b), ws.buffer_ptrs, ws.signal_ptrs, err, ws.rank, ctas, float(eps),
+               _chunk(ar_out, a, b), ptrs, ws.signal_ptrs, err, ws.rank, ctas, float(eps),
                _timeout_ns())
     if not torch.cuda.is_current_stream_capturing():
         ws.raise_if_failed()  # reads pinned memory: cheap; an error shows after the kernel ran
@@ -298,7 +368,7 @@ def allreduce_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor,
 
     Every rank passes its own x [M, H] (same M, H, dtype, options on all ranks) and the same
     residual/weight. Returns NormQuantOutput(residual=h, y, q, scales, allreduce=T(acc) when
-    allreduce_out). algo: "auto" | "oneshot" | "twoshot".
+    allreduce_out). algo: "auto" | "lamport" | "oneshot" | "twoshot".
     """
     spec, _ = cached_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0)
     kind = None if spec is None else spec.kind

@@ -1,4 +1,4 @@
-"""The all-reduce kernels (one-shot and two-shot, world 2/4/8, several output formats) compile for
+"""The all-reduce kernels (one-shot, two-shot and lamport, world 2/4/8, several output formats) compile for
 sm_90a from fake tensors, no GPU needed (CuTe DSL 4.8+ with CUTE_DSL_ARCH set; 4.3.5 stops at a
 driver check, so there the test skips and says why). Runs in a subprocess: the DSL reads
 CUTE_DSL_ARCH once.
@@ -30,6 +30,10 @@ variants = [
     ("twoshot", 4, "bfloat16", 2048, QuantParams("fp8_per_token"), True, False, True, True),
     ("twoshot", 8, "bfloat16", 8192, QuantParams(), True, False, True, False),
     ("twoshot", 2, "float16", 1536, QuantParams("fp8_per_group", 64, col_major=True, ue8m0=True), True, True, False, False),
+    ("lamport", 2, "bfloat16", 4096, QuantParams("fp8"), True, False, False, True),
+    ("lamport", 4, "bfloat16", 7168, QuantParams("nvfp4", 16, swizzled=True), True, False, True, False),
+    ("lamport", 8, "bfloat16", 8192, QuantParams(), False, False, False, True),  # plain all-reduce
+    ("lamport", 2, "float16", 2000, QuantParams("fp8_per_token"), True, True, True, True),  # ragged
 ]
 done = 0
 try:
@@ -56,4 +60,50 @@ def test_allreduce_kernels_compile_sm90a():
     result = json.loads(p.stdout.strip().splitlines()[-1])
     if "skip" in result:
         pytest.skip(result["skip"])
-    assert result["compiled"] == 7
+    assert result["compiled"] == 11
+
+
+# --- buffer split and capacities (host arithmetic, no GPU) -----------------------------------------
+@pytest.mark.parametrize("buffer_bytes", [32 << 20, 64 << 20, (32 << 20) + 12345, 1 << 16])
+def test_lamport_layout_disjoint_and_aligned(buffer_bytes):
+    pytest.importorskip("cutlass")
+    from distnorm.kernels.lamport import AREAS, lamport_layout
+    general, area = lamport_layout(buffer_bytes)
+    assert general % 16 == 0 and area % 16 == 0 and area > 0
+    assert general + AREAS * area <= buffer_bytes
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("hidden", [2048, 4096, 7168, 8192])
+@pytest.mark.parametrize("buffer_bytes", [32 << 20, 64 << 20, (16 << 20) + 4096 + 48])
+def test_max_chunk_rows_exact(world, hidden, buffer_bytes):
+    """Each algorithm's chunk fits its part of the buffer and one more row would not: lamport's in
+    ONE of its three areas (not the three together), oneshot / twoshot in the part before them."""
+    pytest.importorskip("cutlass")
+    from distnorm.allreduce_ops import choose_algo, max_chunk_rows
+    from distnorm.kernels.compile_allreduce import buffer_elems
+    from distnorm.kernels.lamport import capacity_rows, lamport_layout
+    general, area = lamport_layout(buffer_bytes)
+    es = 2
+    big = 1 << 30
+    cap = max_chunk_rows("lamport", world, big, hidden, es, buffer_bytes, False, False)
+    assert cap == capacity_rows(world, hidden, es, buffer_bytes)
+    assert buffer_elems("lamport", world, cap, hidden, False, False) * es <= area
+    assert buffer_elems("lamport", world, cap + 1, hidden, False, False) * es > area
+    for algo in ("oneshot", "twoshot"):
+        for ga in (False, True):
+            c = max_chunk_rows(algo, world, big, hidden, es, buffer_bytes, False, ga)
+            assert buffer_elems(algo, world, c, hidden, False, ga) * es <= general
+            if algo == "oneshot":
+                assert buffer_elems(algo, world, c + 1, hidden, False, ga) * es > general
+    # swizzled: chunks are multiples of 128 rows (or the area is too small and it says so)
+    try:
+        c = max_chunk_rows("lamport", world, big, hidden, es, buffer_bytes, True, False)
+        assert c % 128 == 0 and c <= cap
+    except ValueError:
+        assert cap < 128
+    # auto picks lamport only when one call holds all rows
+    m_small = 1
+    assert choose_algo("auto", world, m_small, hidden, es, buffer_bytes) == "lamport"
+    assert choose_algo("auto", world, cap + 1, hidden, es, buffer_bytes) != "lamport"
+    assert choose_algo("lamport", world, cap + 1, hidden, es, buffer_bytes) == "lamport"

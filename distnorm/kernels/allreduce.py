@@ -1,6 +1,6 @@
 """Fused all-reduce + [residual add] + RMSNorm + [quantization] over peer-mapped buffers (NVLink P2P).
 
-One kernel class, two compile-time algorithms:
+One kernel class, three compile-time algorithms:
 
 - "oneshot" (latency): CTA b owns row groups g = b, b + grid, ... (rows_per_cta rows each, the
   thread -> row mapping of fused_norm.py). Phase 1 pushes this rank's x rows into slot `rank` of
@@ -21,6 +21,13 @@ One kernel class, two compile-time algorithms:
   bitwise identical on all ranks. Final cta_barrier as in one-shot.
   Buffer: scatter [N][S][H] T, then gather h [N*S][H] T, then (optional) gather acc [N*S][H] T.
 
+- "lamport" (latency, no barrier): one-shot whose readers poll the data itself. Three rotating
+  areas (kernels/lamport.py: layout, sentinel); call c pushes its sanitized rows into area c mod 3,
+  slot `rank`, of every rank with 128-bit volatile stores, polls its local area until no word is the
+  sentinel, sums in rank order as one-shot, and refills the previous call's area with the sentinel.
+  The area index lives in the signal pad (NOTE [lamport call state], NOTE [lamport clearing] below).
+  The buffer-pointer table is lamport.area_ptr_table: entry k * N + s = rank s's area k.
+
 Barrier coverage: every dependency is between same-index CTAs. CTA b handles the same in-slice row
 groups in every phase (one-shot: the same rows), so after cta_barrier every row CTA b reads was
 written by CTA b of the producing rank. The grid is the same on all ranks (a function of M and the
@@ -33,14 +40,17 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from distnorm.kernels import ptx  # absolute imports: the 4.3.5 DSL preprocessor needs them
+from distnorm.kernels import lamport, ptx  # absolute imports: the 4.3.5 DSL preprocessor needs them
 from distnorm.kernels.norm_quant import VEC, NormQuantCore, QuantParams, RowTiling
-from distnorm.kernels.sync import BARRIER_REGION_WORDS, cta_barrier
+from distnorm.kernels.sync import (BARRIER_REGION_WORDS, ERR_TIMEOUT, atomic_cas_sys_u32,
+                                   cta_barrier, globaltimer_ns, ld_volatile_sys_u32,
+                                   ld_volatile_sys_v4_u32, st_volatile_sys_v4_u32, st_volatile_u32)
 
-ALGOS = ("oneshot", "twoshot")
-# barrier regions (sync.py): region 0 is the barrier self-test kernel's, so one-shot takes 1 and
-# two-shot 2 (never shared between algorithms)
-REGION = {"oneshot": 1, "twoshot": 2}
+ALGOS = ("oneshot", "twoshot", "lamport")
+# signal-pad regions (sync.py): region 0 is the barrier self-test kernel's, one-shot takes 1 and
+# two-shot 2 (barriers; never shared between algorithms); lamport keeps its call state in region 3
+REGION = {"oneshot": 1, "twoshot": 2, "lamport": lamport.REGION}
+_SPIN_CHECK_MASK = 255  # lamport polls: look at %globaltimer and the error word every 256 rounds
 
 
 class AllReduceAddRMSNormQuant:
@@ -148,7 +158,10 @@ class AllReduceAddRMSNormQuant:
         if const_expr(self.algo == "oneshot"):
             self._oneshot(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr, rank,
                           eps, timeout_ns, rows, groups)
-        else:
+        if const_expr(self.algo == "lamport"):
+            self._lamport(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr, rank,
+                          eps, timeout_ns, rows, groups)
+        if const_expr(self.algo == "twoshot"):
             self._twoshot(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr, rank,
                           eps, timeout_ns, rows, slice_rows, groups)
 
@@ -298,3 +311,172 @@ class AllReduceAddRMSNormQuant:
                                    global_scale, bufs)
                 cute.arch.barrier()  # shared-memory partials are reused by the next row
         self._barrier(mSig, rank, bidx, timeout_ns, mErr)
+
+    # ---- lamport one-shot ------------------------------------------------------------------------
+    # NOTE [lamport call state]
+    # Area index k (0, 1, 2) of a call, the rows each area last held, and an arrival counter live in
+    # this rank's signal pad (lamport.REGION), never in kernel arguments, so CUDA-graph replays and
+    # back-to-back launches continue from the stored state. The grid changes with M, so a per-CTA
+    # counter would drift between CTA indices; instead every CTA reads k at its start (all threads,
+    # then bar.sync), thread 0 arrives on the counter (atom.acq_rel.gpu), and the LAST CTA to arrive
+    # -- after every CTA of this launch has read k -- resets the counter, records this call's rows
+    # for area k and advances k. The next launch on the stream reads them after this one ended.
+    # Every rank runs the same sequence of lamport calls (same M), so k agrees across ranks.
+    #
+    # NOTE [lamport clearing]
+    # Call c uses area k = c mod 3: every rank pushes its rows into area k of every rank, reads its
+    # own area k until no word is the sentinel, and meanwhile refills with the sentinel its own area
+    # (k + 2) mod 3 = the area of call c - 1, over the N * M_{c-1} * H elements call c - 1 wrote.
+    # (1) Nothing writes that area any more: every word of it that call c - 1 wrote was seen non-
+    #     sentinel by this rank's kernel c - 1 (each valid row is polled over all N slots and all
+    #     vectors by exactly one CTA), so all those stores had landed before kernel c began.
+    # (2) It is completely refilled before any peer writes it again: the next writes into it are
+    #     call c + 2's. A peer in call c + 2 has finished call c + 1, which needed our call-(c + 1)
+    #     rows, which we push only in kernel c + 1, i.e. after kernel c (and its refill) ended.
+    # (3) Likewise area k itself (call c - 3's area, refilled during call c - 2) is all sentinel
+    #     before any call-c write lands in it: a peer writing call-c rows has finished call c - 1,
+    #     which needed our call-(c - 1) rows, pushed in kernel c - 1, after kernel c - 2 ended.
+    # So a peer is at most one call ahead of us (it cannot finish call c + 1 before reading our
+    # call-(c + 1) rows): while we run call c, peers write only areas c and c + 1 of ours, never
+    # c + 2 = c - 1, the one being refilled. Requirements: kernels of one rank run in stream order
+    # (one stream per workspace, no programmatic dependent launch) and a call never writes more than
+    # one area (max_chunk_rows("lamport")). oneshot / twoshot do not touch the lamport areas.
+    @cute.jit
+    def _lamport(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
+                 rank: Int32, eps: Float32, timeout_ns: Int64, rows: Int32, groups: Int32):
+        t = self.t
+        world = self.world
+        dtype = mX.element_type
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        nblk, _, _ = cute.arch.grid_dim()
+        row_in_cta = tidx // t.threads_per_row
+        lane = tidx % t.threads_per_row
+        m = mX.shape[0]
+        hidden = Int64(t.hidden)
+        slot_bytes = Int64(m) * hidden * Int64(2)  # one slot: this call's M rows of T
+        nv = t.vecs_per_thread
+
+        # call state (NOTE [lamport call state])
+        state = mSig[rank] + Int64((lamport.REGION * BARRIER_REGION_WORDS) * 4)
+        area_addr = state + Int64(lamport.W_AREA * 4)
+        arrive_addr = state + Int64(lamport.W_ARRIVE * 4)
+        rows_addr = state + Int64(lamport.W_ROWS * 4)
+        k = ld_volatile_sys_u32(area_addr)
+        prev = k + Int32(2)
+        if prev >= Int32(3):
+            prev = prev - Int32(3)
+        rows_prev = ld_volatile_sys_u32(rows_addr + Int64(prev) * Int64(4))
+        cute.arch.barrier()  # every thread of this CTA has read k (and rows_prev)
+        if tidx == 0:
+            old = lamport.atom_add_acq_rel_gpu_u32(arrive_addr, Int32(1))
+            if old == Int32(nblk) - Int32(1):  # the last CTA of this launch
+                nxt = k + Int32(1)
+                if nxt >= Int32(3):
+                    nxt = Int32(0)
+                st_volatile_u32(arrive_addr, Int32(0))
+                st_volatile_u32(rows_addr + Int64(k) * Int64(4), m)
+                st_volatile_u32(area_addr, nxt)
+
+        smem = cutlass.utils.SmemAllocator()
+        bufs = self.core.allocate_smem(smem)
+        rT = cute.make_rmem_tensor(cute.make_layout(nv * VEC), dtype)
+        rR = cute.make_rmem_tensor(cute.make_layout(nv * VEC), dtype)
+        rH = cute.make_rmem_tensor(cute.make_layout(nv * VEC), Float32)
+        rAll = cute.make_rmem_tensor(cute.make_layout(world * nv * 4), Int32)  # N slots' words
+        rT.fill(0.0)
+        rR.fill(0.0)
+        rH.fill(0.0)
+        rAll.fill(0)
+        rTw = cute.recast_tensor(rT, Int32)
+        rAllT = cute.recast_tensor(rAll, dtype)
+        static_inv, global_scale = self._scalars(mScale, mGS)
+        kw = k * Int32(world)
+
+        # phase 1: push my rows (sanitized, NOTE [lamport sentinel]) into area k, slot `rank`, of
+        # every rank with 128-bit volatile stores
+        for g in range(bidx, groups, nblk):
+            row = g * t.rows_per_cta + row_in_cta
+            if row < m:
+                self._load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
+                for i in cutlass.range_constexpr(nv * 4):
+                    rTw[i] = lamport.sanitize_word(rTw[i])
+                off = slot_bytes * Int64(rank) + Int64(row) * hidden * Int64(2)
+                for s in cutlass.range_constexpr(world):
+                    dst = mBuf[kw + Int32(s)] + off
+                    for j in cutlass.range_constexpr(nv):
+                        v = lane + j * t.threads_per_row
+                        if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                            st_volatile_sys_v4_u32(dst + Int64(v) * Int64(16), rTw[4 * j],
+                                                   rTw[4 * j + 1], rTw[4 * j + 2], rTw[4 * j + 3])
+
+        # refill my area of the previous call with the sentinel (NOTE [lamport clearing]);
+        # 16-byte vectors, grid-stride over the whole launch
+        clear_base = mBuf[prev * Int32(world) + rank]
+        n_clear = Int32(world) * rows_prev * Int32(t.hidden // VEC)
+        sent = Int32(lamport.SENTINEL_I32)
+        for i in range(bidx * Int32(t.threads) + tidx, n_clear, nblk * Int32(t.threads)):
+            st_volatile_sys_v4_u32(clear_base + Int64(i) * Int64(16), sent, sent, sent, sent)
+
+        # phase 2: poll my area k until every word of the N slots of my rows arrived, ordered
+        # float32 sum, residual add, epilogue
+        base = mBuf[kw + rank]
+        err_addr = mErr.iterator.toint()
+        for g in range(bidx, groups, nblk):
+            row = g * t.rows_per_cta + row_in_cta
+            row_valid = row < m
+            rH.fill(0.0)
+            if row_valid:
+                row_off = base + Int64(row) * hidden * Int64(2)
+                pending = Int32(1)
+                missing = Int32(0)
+                spins = Int32(0)
+                t0 = globaltimer_ns()
+                while pending != Int32(0):
+                    pending = Int32(0)
+                    for s in cutlass.range_constexpr(world):
+                        src = row_off + slot_bytes * Int64(s)
+                        pend_s = Int32(0)
+                        for j in cutlass.range_constexpr(nv):
+                            v = lane + j * t.threads_per_row
+                            if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                                a, b, c, d = ld_volatile_sys_v4_u32(src + Int64(v) * Int64(16))
+                                w0 = (s * nv + j) * 4
+                                rAll[w0] = a
+                                rAll[w0 + 1] = b
+                                rAll[w0 + 2] = c
+                                rAll[w0 + 3] = d
+                                pend_s = pend_s | Int32(a == Int32(-1)) | Int32(b == Int32(-1))
+                                pend_s = pend_s | Int32(c == Int32(-1)) | Int32(d == Int32(-1))
+                        if pend_s != Int32(0):
+                            missing = Int32(s)
+                        pending = pending | pend_s
+                    if pending != Int32(0):
+                        spins = spins + Int32(1)
+                        if (spins & Int32(_SPIN_CHECK_MASK)) == Int32(0):
+                            if ld_volatile_sys_u32(err_addr) != Int32(0):
+                                pending = Int32(0)  # someone already timed out: stop too
+                            else:
+                                if globaltimer_ns() - t0 > timeout_ns:
+                                    if atomic_cas_sys_u32(err_addr, Int32(0),
+                                                          Int32(ERR_TIMEOUT)) == Int32(0):
+                                        st_volatile_u32(err_addr + Int64(4), missing)
+                                        st_volatile_u32(err_addr + Int64(8), k)
+                                    pending = Int32(0)
+                rH.store(cute.make_tensor(rAllT.iterator, cute.make_layout(nv * VEC)).load()
+                         .to(Float32))
+                for s in cutlass.range_constexpr(1, world):
+                    part = cute.make_tensor(rAllT.iterator + s * nv * VEC, cute.make_layout(nv * VEC))
+                    rH.store(rH.load() + part.load().to(Float32))
+                if const_expr(self.write_allreduce):
+                    self._store_row(rH, cute.zipped_divide(mAR[row, None], (VEC,)), lane, dtype)
+                if const_expr(self.has_residual):
+                    self._load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
+                    rH.store((rH.load() + rR.load().to(Float32)).to(dtype).to(Float32))
+                    self._store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype)
+                else:
+                    rH.store(rH.load().to(dtype).to(Float32))  # h = T(acc)
+            self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, Int32(0), eps, mW,
+                               mY, mQ, mS, static_inv, global_scale, bufs)
+            cute.arch.barrier()  # the next group's reductions reuse the shared-memory partials
+        # no closing barrier: the three rotating areas make the next call safe (NOTE above)

@@ -9,6 +9,8 @@ Call the result as
       rank, max_ctas, eps, timeout_ns)
 with the tensor conventions of kernels/compile.py plus: ar_out [M, H] T (plain all-reduce output),
 buffer_ptrs / signal_ptrs int64 [world] (device), err int32 [4] (device-visible error words).
+For algo "lamport", buffer_ptrs is int64 [3 * world]: lamport.area_ptr_table (entry k * world + s =
+rank s's area k), and the data buffer must have been prepared with lamport.reset.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def buffer_elems(algo: str, world: int, m: int, hidden: int, swizzled: bool,
                  gather_acc: bool) -> int:
     """Elements of T one call with m rows uses in the data buffer (see kernels/allreduce.py)."""
     rows = (m + 127) // 128 * 128 if swizzled else m
-    if algo == "oneshot":
+    if algo in ("oneshot", "lamport"):  # lamport: per area (three of them, see kernels/lamport.py)
         return world * m * hidden
     s = -(-rows // world)
     return world * s * hidden * (2 + (1 if gather_acc else 0))
@@ -53,7 +55,8 @@ def compiled_allreduce(algo: str, world: int, dtype: str, hidden: int, quant: Qu
     scale = compat.make_fake_tensor(Float32, (1,), (1,), assumed_align=4) if quant.kind == "fp8" else None
     gs = compat.make_fake_tensor(Float32, (1,), (1,), assumed_align=4) if quant.kind == "nvfp4" else None
     ar = fake_rows(cdtype, hidden, m) if write_allreduce else None
-    bufp = compat.make_fake_tensor(cutlass.Int64, (world,), (1,), assumed_align=8)
+    nptr = world * 3 if algo == "lamport" else world
+    bufp = compat.make_fake_tensor(cutlass.Int64, (nptr,), (1,), assumed_align=8)
     sigp = compat.make_fake_tensor(cutlass.Int64, (world,), (1,), assumed_align=8)
     err = compat.make_fake_tensor(cutlass.Int32, (4,), (1,), assumed_align=16)
     stream = compat.make_fake_stream(use_tvm_ffi_env_stream=True)

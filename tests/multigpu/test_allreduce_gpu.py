@@ -5,6 +5,9 @@ Run any of:
     mpirun -np 2 python -m pytest tests/multigpu/test_allreduce_gpu.py -q
     python -m pytest tests/multigpu/test_allreduce_gpu.py -q          # spawns one process per GPU
 DISTNORM_FULL=1 runs the full grid (algo x quant x M x H); the default grid takes a few minutes.
+Algorithms: oneshot, twoshot, lamport (grid incl. M above capacity -> chunks, 1000 CUDA-graph
+replays, 10,000 back-to-back calls mixing all of them, lamport chunking on a small workspace, and
+data that looks like lamport's sentinel).
 
 Every rank draws its own x (seeded by rank); residual and weight are the same on all ranks. The
 reference is allreduce_add_rmsnorm_ref over the all-gathered x (ordered float32 sum). Outputs are
@@ -42,7 +45,7 @@ QUANTS = {
     "nvfp4": ("nvfp4", {"sf_layout": "swizzled"}),
     "mxfp8": ("mxfp8", {"sf_layout": "swizzled"}),
 }
-ALGOS = ("oneshot", "twoshot")
+ALGOS = ("oneshot", "twoshot", "lamport")
 if FULL:
     TOKENS = [1, 3, 64, 1000, 8192, "cap+1"]
     HIDDEN = [2048, 4096, 7168, 8192]
@@ -136,7 +139,12 @@ def _check_same_across_ranks(out, spec):
 def _capacity_rows(algo, world, H, spec):
     from distnorm.allreduce_ops import max_chunk_rows
     swz = spec is not None and spec.block_scaled and spec.sf_layout == "swizzled"
-    return max_chunk_rows(algo, world, 1 << 30, H, 2, BUFFER_BYTES, swz, True)
+    try:
+        return max_chunk_rows(algo, world, 1 << 30, H, 2, BUFFER_BYTES, swz, True)
+    except ValueError:
+        # lamport area < 128 rows with swizzled scales: the op runs one-shot for such M instead
+        assert algo == "lamport" and swz
+        return max_chunk_rows(algo, world, 1 << 30, H, 2, BUFFER_BYTES, False, True)
 
 
 def _one_case(ws, boot, algo, qname, M, H, seed):
@@ -233,7 +241,7 @@ def _body_back_to_back(calls: int) -> None:
         last = {}
         for i in range(calls):
             M = sizes[i % len(sizes)]
-            algo = ("oneshot", "twoshot", "auto")[(i // len(sizes)) % 3]
+            algo = ("oneshot", "lamport", "twoshot", "auto", "lamport")[(i // len(sizes)) % 5]
             x, res, w = data[M]
             last[M] = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, algo=algo, **kw)
         torch.cuda.synchronize()
@@ -244,6 +252,72 @@ def _body_back_to_back(calls: int) -> None:
                 assert torch.equal(last[M].residual, refs[M].residual), f"M={M}: residual differs"
                 eq = (last[M].q.view(torch.uint8) == refs[M].q.view(torch.uint8)).float().mean().item()
                 assert eq >= 0.999, f"M={M}: only {eq} of fp8 bytes equal"
+        _gathered_check(boot, check)
+        ws.barrier()
+
+
+def _body_lamport_chunks() -> None:
+    """M far above lamport's one-area capacity (small workspace): explicit lamport chunks it into
+    many calls (rotating through the areas within one op), auto does not pick lamport."""
+    from distnorm.allreduce_ops import choose_algo, max_chunk_rows
+    from distnorm.comm import Workspace
+
+    boot = _boot()
+    H = 4096
+    with Workspace(buffer_bytes=1 << 20) as ws:
+        cap = max_chunk_rows("lamport", ws.world_size, 1 << 30, H, 2, ws.buffer_bytes, False, True)
+        assert cap >= 1
+        for M, qname in ((cap, "fp8"), (cap + 1, "fp8"), (7 * cap + 3, "fp8_per_token"),
+                         (5 * cap, "none"), (1, "none")):
+            assert choose_algo("auto", ws.world_size, cap + 1, H, 2, ws.buffer_bytes) != "lamport"
+            try:
+                _gathered_check(boot, _one_case, ws, boot, "lamport", qname, M, H, 7000 + M)
+            except AssertionError as e:
+                raise AssertionError(f"lamport chunks cap={cap} M={M} {qname}: {e}") from None
+        ws.barrier()
+
+
+def _body_lamport_sentinel() -> None:
+    """Data that looks like the sentinel must neither hang nor change results: NaN 0xFFFF halves
+    (the sentinel's element pattern) in some rows, -0.0 on every rank in others (exact: -0.0 sums
+    stay -0.0, the sign reaches residual_out / allreduce_out bitwise)."""
+    from distnorm.allreduce_ops import allreduce, allreduce_add_rmsnorm
+    from distnorm.comm import Workspace
+    from distnorm.reference import allreduce_add_rmsnorm_ref, allreduce_ref
+
+    boot = _boot()
+    M, H = 8, 4096
+    with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
+        x, res, w = _inputs(M, H, ws.rank, 4242)
+        xi = x.view(torch.int16)
+        xi[0, :64] = -1                  # 0xFFFF: a NaN whose two-element words equal the sentinel
+        if ws.rank == 0:
+            xi[1, 8:16] = -1             # one rank only
+        x[2].fill_(-0.0)                 # all ranks: acc = -0.0 exactly
+        res[2].fill_(-0.0)
+        x[3, :256] = -0.0
+        xs = _all_gather(x)
+
+        def check():
+            for i in range(3):
+                s = allreduce(x, workspace=ws, algo="lamport")
+                out = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, algo="lamport",
+                                            norm_out=True, allreduce_out=True)
+                torch.cuda.synchronize()
+                ws.raise_if_failed()
+                ref_s = allreduce_ref(xs)
+                ok = ~torch.isnan(ref_s)
+                assert torch.isnan(s[~ok]).all(), f"round {i}: NaN lost"
+                assert torch.equal(s[ok].view(torch.int16), ref_s[ok].view(torch.int16)), \
+                    f"round {i}: allreduce() differs outside the NaN rows"
+                assert torch.equal(s[2].view(torch.int16), ref_s[2].view(torch.int16)), "-0.0 lost"
+                ref = allreduce_add_rmsnorm_ref(xs, res, w, 1e-6, norm_out=True, allreduce_out=True)
+                for r in range(2, M):  # rows without NaN: bitwise as every other algorithm
+                    assert torch.equal(out.residual[r].view(torch.int16),
+                                       ref.residual[r].view(torch.int16)), f"row {r}: residual differs"
+                    assert torch.equal(out.allreduce[r].view(torch.int16),
+                                       ref.allreduce[r].view(torch.int16)), f"row {r}: allreduce differs"
+                assert torch.isnan(out.residual[0, :64]).all() and torch.isnan(out.residual[1, 8:16]).all()
         _gathered_check(boot, check)
         ws.barrier()
 
@@ -261,3 +335,11 @@ def test_cuda_graph_replays(algo):
 
 def test_back_to_back_changing_m():
     run_distributed(_body_back_to_back, 10_000, timeout_s=TIMEOUT_S)
+
+
+def test_lamport_chunks_above_capacity():
+    run_distributed(_body_lamport_chunks, timeout_s=TIMEOUT_S)
+
+
+def test_lamport_sentinel_like_data():
+    run_distributed(_body_lamport_sentinel, timeout_s=TIMEOUT_S)

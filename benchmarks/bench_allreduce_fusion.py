@@ -80,7 +80,7 @@ def main():
             ro, yo, xc = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
             q8 = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=dev)
             cases = {}
-            for algo in ("oneshot", "twoshot"):
+            for algo in (("lamport", "oneshot", "twoshot") if M <= 2048 else ("oneshot", "twoshot")):
                 cases[f"dn_norm_{algo}"] = lambda a=algo: allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, norm_out=True, algo=a, residual_out=ro, y_out=yo)
                 cases[f"dn_fp8_{algo}"] = lambda a=algo: allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, quant="fp8", scale=scale, algo=a, residual_out=ro, q_out=q8)
                 cases[f"dn_nvfp4_{algo}"] = lambda a=algo: allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, quant="nvfp4", global_scale=gs, algo=a, residual_out=ro)

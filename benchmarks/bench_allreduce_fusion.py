@@ -123,6 +123,10 @@ def main():
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         json.dump(dict(meta=meta, rows=rows), open(args.out + ".json", "w"), indent=1)
         write_table(args.out + ".md", meta, rows)
+        try:
+            write_plot(args.out + ".png", meta, rows, args.hidden)
+        except Exception as e:  # noqa: BLE001 - matplotlib missing: the table is the result
+            print("no plot:", e)
     for fi in fis.values():
         fi.close()
     ws.close()
@@ -154,6 +158,32 @@ def write_table(path, meta, rows):
         lines.append(f"| {r['M']} | {r['H']} | {f(best(r, 'dn_fp8'))} | {f(best(r, 'fi_fp8'))} | {f(best(r, 'dn_norm'))} | "
                      f"{f(best(r, 'fi_norm'))} | {f(best(r, 'dn_ar'))} | {f(r.get('nccl_ar'))} | {f(best(r, 'symm'))} |")
     open(path, "w").write("\n".join(lines) + "\n")
+
+
+def write_plot(path, meta, rows, hiddens):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    series = [("dn_fp8", "distnorm AR+norm+fp8 (best algo)"), ("fi_fp8", "FlashInfer AR+norm+fp8 (best)"),
+              ("dn_norm", "distnorm AR+norm"), ("fi_norm", "FlashInfer AR+norm"), ("dn_ar", "distnorm all-reduce"),
+              ("nccl_ar", "NCCL all-reduce"), ("symm", "symm-mem all-reduce (best)"), ("unf_comp", "NCCL + compiled add/norm/fp8")]
+    fig, axes = plt.subplots(1, len(hiddens), figsize=(6 * len(hiddens), 4.5), squeeze=False)
+    for ax, H in zip(axes[0], hiddens):
+        rs = [r for r in rows if r["H"] == H]
+        for key, label in series:
+            pts = [(r["M"], best(r, key) if key not in ("nccl_ar", "unf_comp") else r.get(key)) for r in rs]
+            pts = [(m, v) for m, v in pts if v]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label, linestyle="-" if key.startswith("dn") else "--")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens M")
+        ax.set_ylabel("us per call (max over ranks)")
+        ax.set_title(f"H={H}, {meta['world']} x {meta['device']}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

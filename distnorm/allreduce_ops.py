@@ -40,11 +40,17 @@ from .ops import (_DTYPE_NAMES, allocate_outputs, cached_spec, check_aligned, ch
 log = logging.getLogger(__name__)
 
 ALGOS = ("auto", "lamport", "oneshot", "twoshot")
-# Bytes per rank (M * H * element size) up to which one-shot beats two-shot, by world size.
-# PLACEHOLDERS: these must be measured on the target machine (benchmarks/) and filled in.
-AUTO_CROSSOVER_BYTES = {2: 512 << 10, 4: 256 << 10, 8: 128 << 10}
-# Bytes per rank up to which lamport (one-shot without barriers) is used. PLACEHOLDERS as above.
-LAMPORT_CROSSOVER_BYTES = {2: 256 << 10, 4: 128 << 10, 8: 64 << 10}
+# Crossovers in bytes per rank (M * H * element size), by world size.
+# World 2: measured on 2 x H200 (NV18), benchmarks/results/allreduce_fusion_h200_x2.md, command
+#   torchrun --nproc-per-node 2 benchmarks/bench_allreduce_fusion.py --out benchmarks/results/allreduce_fusion_h200_x2
+#   fused fp8, H=4096: lamport 18.4 us vs one-shot 21.7 vs two-shot 23.8 at 4 MiB; two-shot 66.8 vs
+#   one-shot 74.6 vs lamport 79.7 at 16 MiB: lamport up to 8 MiB, two-shot above (one-shot never wins).
+# Worlds 4 and 8: NOT measured here (no 4/8-GPU machine in this session); scaled from the 4-GPU
+#   FlashInfer anchors (two-shot wins from 4 MiB at world 4): replace with measured values.
+LAMPORT_CROSSOVER_BYTES = {2: 8 << 20, 4: 2 << 20, 8: 1 << 20}
+# Bytes per rank up to which the barrier one-shot beats two-shot when lamport does not apply
+# (e.g. M beyond one lamport area).
+AUTO_CROSSOVER_BYTES = {2: 8 << 20, 4: 2 << 20, 8: 1 << 20}
 
 _SM_COUNT: dict = {}
 _ERR_VIEWS: dict = {}

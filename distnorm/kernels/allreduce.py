@@ -326,7 +326,8 @@ class AllReduceAddRMSNormQuant:
     # NOTE [lamport clearing]
     # Call c uses area k = c mod 3: every rank pushes its rows into area k of every rank, reads its
     # own area k until no word is the sentinel, and meanwhile refills with the sentinel its own area
-    # (k + 2) mod 3 = the area of call c - 1, over the N * M_{c-1} * H elements call c - 1 wrote.
+    # (k + 2) mod 3 = the area of call c - 1, over the N * M_{c-1} * H_{c-1} elements call c - 1
+    # wrote (the state records M * H / 8 vectors per slot, not rows: H may change between calls).
     # (1) Nothing writes that area any more: every word of it that call c - 1 wrote was seen non-
     #     sentinel by this rank's kernel c - 1 (each valid row is polled over all N slots and all
     #     vectors by exactly one CTA), so all those stores had landed before kernel c began.
@@ -366,8 +367,8 @@ class AllReduceAddRMSNormQuant:
         prev = k + Int32(2)
         if prev >= Int32(3):
             prev = prev - Int32(3)
-        rows_prev = ld_volatile_sys_u32(rows_addr + Int64(prev) * Int64(4))
-        cute.arch.barrier()  # every thread of this CTA has read k (and rows_prev)
+        vecs_prev = ld_volatile_sys_u32(rows_addr + Int64(prev) * Int64(4))
+        cute.arch.barrier()  # every thread of this CTA has read k (and vecs_prev)
         if tidx == 0:
             old = lamport.atom_add_acq_rel_gpu_u32(arrive_addr, Int32(1))
             if old == Int32(nblk) - Int32(1):  # the last CTA of this launch
@@ -375,7 +376,7 @@ class AllReduceAddRMSNormQuant:
                 if nxt >= Int32(3):
                     nxt = Int32(0)
                 st_volatile_u32(arrive_addr, Int32(0))
-                st_volatile_u32(rows_addr + Int64(k) * Int64(4), m)
+                st_volatile_u32(rows_addr + Int64(k) * Int64(4), m * Int32(t.hidden // VEC))
                 st_volatile_u32(area_addr, nxt)
 
         smem = cutlass.utils.SmemAllocator()
@@ -413,7 +414,7 @@ class AllReduceAddRMSNormQuant:
         # refill my area of the previous call with the sentinel (NOTE [lamport clearing]);
         # 16-byte vectors, grid-stride over the whole launch
         clear_base = mBuf[prev * Int32(world) + rank]
-        n_clear = Int32(world) * rows_prev * Int32(t.hidden // VEC)
+        n_clear = Int32(world) * vecs_prev  # 16-byte vectors: the previous call's H may differ from ours
         sent = Int32(lamport.SENTINEL_I32)
         for i in range(bidx * Int32(t.threads) + tidx, n_clear, nblk * Int32(t.threads)):
             st_volatile_sys_v4_u32(clear_base + Int64(i) * Int64(16), sent, sent, sent, sent)

@@ -30,8 +30,8 @@ the NaN's sign bit is dropped; nothing else changes.
 
 Device state (signal pad region ``REGION`` = 3 of sync.py, this rank's pad only; see
 NOTE [lamport call state] in kernels/allreduce.py): word 0 = area index k of the next call (0, 1, 2),
-word 1 = CTA arrival counter of the running call, words 2..4 = rows (slot stride) the last call that
-used area 0 / 1 / 2 wrote there. All start at 0 (``reset``).
+word 1 = CTA arrival counter of the running call, words 2..4 = 16-byte vectors per slot (M * H / 8)
+the last call that used area 0 / 1 / 2 wrote there. All start at 0 (``reset``).
 """
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import copy_bandwidth_tbs, time_eager_us, time_graph_us  # noqa: E402
 
 import distnorm  # noqa: E402
@@ -54,7 +55,11 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/single_gpu")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--render", help="re-render the table and heatmap of a results JSON (no GPU)")
+    ap.add_argument("--copy-tbs", type=float, help="copy bandwidth to compare against (TB/s)")
     args = ap.parse_args()
+    if args.render:
+        return render(args.render, args.copy_tbs)
     Ms = [1, 16, 128, 1024, 4096, 16384, 65536]
     Hs = [1536, 4096, 8192, 16384, 32768]
     variants = list(VARIANTS)
@@ -114,6 +119,24 @@ def main():
         print("no heatmap:", e)
 
 
+def render(path: str, copy_tbs: float | None) -> None:
+    """Rewrite <path>.md/.png from the JSON, optionally against another copy bandwidth."""
+    d = json.load(open(path))
+    meta, rows = d["meta"], d["rows"]
+    if copy_tbs:
+        meta["copy_note"] = (f"% copy is against {copy_tbs} TB/s; the in-run copy figure "
+                             f"({meta['copy_tbs']:.2f}) came from a timing bug (elements counted as bytes)")
+        meta["copy_tbs"] = copy_tbs
+    for r in rows:
+        r["pct_copy"] = 100 * r["tbs"] / meta["copy_tbs"]
+    base = path[:-5]
+    write_table(base + ".md", meta, rows)
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    Ms = sorted({r["M"] for r in rows})
+    Hs = sorted({r["H"] for r in rows})
+    write_heatmap(base + ".png", rows, variants, Ms, Hs, meta["copy_tbs"])
+
+
 def host_time_us(n: int = 2000) -> dict:
     """Host microseconds of one eager call at M=1 (outputs passed in / allocated), no sync inside."""
     x = torch.randn(1, 4096, device="cuda").to(torch.bfloat16)
@@ -139,6 +162,7 @@ def write_table(path, meta, rows):
              f"Device: {meta['device']}; copy bandwidth {meta['copy_tbs']:.2f} TB/s (read+write); "
              f"empty kernel launch in a graph {meta['empty_launch_us']:.2f} us; torch {meta['torch']}; {meta['date']}.",
              f"Host time of one eager call (M=1, H=4096, fp8): {meta['host_us']} us.",
+             meta.get("copy_note", ""),
              f"Command: `{meta['command']}`", "",
              "| variant | M | H | distnorm us | TB/s | % copy | eager ref us (no graph) | torch.compile us | speedup vs compile |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -146,7 +170,7 @@ def write_table(path, meta, rows):
         c = r.get("compile_us")
         lines.append(f"| {r['variant']} | {r['M']} | {r['H']} | {r['us']:.2f} | {r['tbs']:.2f} | {r['pct_copy']:.0f}% | "
                      f"{r.get('eager_us', float('nan')):.1f} | {c if c is None else round(c, 2)} | "
-                     f"{'' if c is None else f'{c / r['us']:.2f}x'} |")
+                     + ("" if c is None else "%.2fx" % (c / r["us"])) + " |")
     open(path, "w").write("\n".join(lines) + "\n")
 
 

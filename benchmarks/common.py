@@ -40,7 +40,7 @@ def copy_bandwidth_tbs(nbytes: int = 2 << 30) -> float:
     a = torch.randn(nbytes // 8, dtype=torch.float32, device="cuda")
     b = torch.empty_like(a)
     us = time_graph_us(lambda: b.copy_(a), calls_per_graph=5, repeats=10)
-    return 2 * a.numel() / (us * 1e-6) / 1e12
+    return 2 * a.numel() * a.element_size() / (us * 1e-6) / 1e12
 
 
 def time_eager_us(fn: Callable[[], object], calls: int = 20, repeats: int = 10) -> float:

@@ -45,12 +45,14 @@ ALGOS = ("auto", "lamport", "oneshot", "twoshot")
 #   torchrun --nproc-per-node 2 benchmarks/bench_allreduce_fusion.py --out benchmarks/results/allreduce_fusion_h200_x2
 #   fused fp8, H=4096: lamport 18.4 us vs one-shot 21.7 vs two-shot 23.8 at 4 MiB; two-shot 66.8 vs
 #   one-shot 74.6 vs lamport 79.7 at 16 MiB: lamport up to 8 MiB, two-shot above (one-shot never wins).
-# Worlds 4 and 8: NOT measured here (no 4/8-GPU machine in this session); scaled from the 4-GPU
-#   FlashInfer anchors (two-shot wins from 4 MiB at world 4): replace with measured values.
-LAMPORT_CROSSOVER_BYTES = {2: 8 << 20, 4: 2 << 20, 8: 1 << 20}
+# World 4: measured on 4 x H200, benchmarks/results/allreduce_fusion_h200_x4.md (same command with
+#   --nproc-per-node 4): fused fp8, lamport 18.8 us vs two-shot 21.3 at 1 MiB (128 x 4096); two-shot
+#   27.8 vs lamport 32.8 at 2 MiB (128 x 8192): lamport up to 1 MiB.
+# World 8: NOT measured (8-GPU machines were not lent): half of world 4's, to be replaced.
+LAMPORT_CROSSOVER_BYTES = {2: 8 << 20, 4: 1 << 20, 8: 512 << 10}
 # Bytes per rank up to which the barrier one-shot beats two-shot when lamport does not apply
-# (e.g. M beyond one lamport area).
-AUTO_CROSSOVER_BYTES = {2: 8 << 20, 4: 2 << 20, 8: 1 << 20}
+# (M beyond one lamport area): one-shot lost to lamport or two-shot at every measured size.
+AUTO_CROSSOVER_BYTES = {2: 8 << 20, 4: 1 << 20, 8: 512 << 10}
 
 _SM_COUNT: dict = {}
 _ERR_VIEWS: dict = {}

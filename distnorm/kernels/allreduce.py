@@ -140,16 +140,6 @@ class AllReduceAddRMSNormQuant:
     def _barrier(self, mSig, rank: Int32, bidx: Int32, timeout_ns: Int64, mErr):
         cta_barrier(mSig, rank, self.world, self.region_word, bidx, timeout_ns, mErr)
 
-    @cute.jit
-    def _scalars(self, mScale, mGS):
-        static_inv = Float32(0.0)
-        global_scale = Float32(0.0)
-        if const_expr(self.q.kind == "fp8"):
-            static_inv = ptx.rcp_rn(mScale[0])
-        if const_expr(self.q.kind == "nvfp4"):
-            global_scale = mGS[0]
-        return static_inv, global_scale
-
     # ---- the kernel ------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mR, mRout, mW: cute.Tensor, mY, mQ, mS, mScale, mGS, mAR,
@@ -188,7 +178,7 @@ class AllReduceAddRMSNormQuant:
         rT.fill(0.0)
         rR.fill(0.0)
         rH.fill(0.0)
-        static_inv, global_scale = self._scalars(mScale, mGS)
+        static_inv, global_scale = self.core.load_scalars(mScale, mGS)
 
         # phase 1: push my rows into slot `rank` of every rank's buffer
         for g in range(bidx, groups, nblk):
@@ -252,7 +242,7 @@ class AllReduceAddRMSNormQuant:
         rR.fill(0.0)
         rH.fill(0.0)
         rA.fill(0.0)
-        static_inv, global_scale = self._scalars(mScale, mGS)
+        static_inv, global_scale = self.core.load_scalars(mScale, mGS)
 
         # phase 1 (reduce-scatter push): row i of slice s -> rank s, slot `rank`, row i
         for g in range(bidx, groups, nblk):
@@ -391,7 +381,7 @@ class AllReduceAddRMSNormQuant:
         rAll.fill(0)
         rTw = cute.recast_tensor(rT, Int32)
         rAllT = cute.recast_tensor(rAll, dtype)
-        static_inv, global_scale = self._scalars(mScale, mGS)
+        static_inv, global_scale = self.core.load_scalars(mScale, mGS)
         kw = k * Int32(world)
 
         # phase 1: push my rows (sanitized, NOTE [lamport sentinel]) into area k, slot `rank`, of

@@ -1,5 +1,9 @@
 """Differences between the CuTe DSL versions we run on (4.3.5 on the GPU machine) and compile on
-(the newest 4.x in CI), chosen by feature checks, not version strings."""
+(the newest 4.x in CI), chosen by feature checks, not version strings.
+
+Kernel modules import each other with absolute imports: the 4.3.5 DSL preprocessor re-executes a
+kernel module's imports and cannot resolve relative ones.
+"""
 from __future__ import annotations
 
 import os

@@ -58,14 +58,9 @@ def fake_q(quant: QuantParams, hidden: int, m):
                                    assumed_align=4 if quant.fp4 else 8)
 
 
-@functools.cache
-def compiled_fused_norm(dtype: str, hidden: int, quant: QuantParams, has_residual: bool, gemma: bool,
-                        write_y: bool, cluster_n: int = 1) -> Callable:
-    """The compiled single-GPU kernel; call as f(x, res, res_out, w, y, q, scales, scale, gs, eps)."""
-    cdtype = CUTE_DTYPES[dtype]
-    tiling = choose_tiling(hidden, cluster_n, quant.block)
-    kernel = FusedAddRMSNormQuant(tiling, quant, has_residual, gemma, write_y)
-    m = compat.sym_int(32)
+def fake_norm_quant_args(cdtype, hidden: int, quant: QuantParams, has_residual: bool, write_y: bool, m):
+    """Fake (x, residual, residual_out, weight, y, q, scales, scale, global_scale) for m rows: the
+    arguments every fused kernel takes, None where the variant does not use one."""
     x = fake_rows(cdtype, hidden, m)
     res = fake_rows(cdtype, hidden, m) if has_residual else None
     res_out = fake_rows(cdtype, hidden, m) if has_residual else None
@@ -75,5 +70,16 @@ def compiled_fused_norm(dtype: str, hidden: int, quant: QuantParams, has_residua
     s = fake_scales(quant, hidden, m)
     scale = compat.make_fake_tensor(Float32, (1,), (1,), assumed_align=4) if quant.kind == "fp8" else None
     gs = compat.make_fake_tensor(Float32, (1,), (1,), assumed_align=4) if quant.kind == "nvfp4" else None
+    return x, res, res_out, w, y, q, s, scale, gs
+
+
+@functools.cache
+def compiled_fused_norm(dtype: str, hidden: int, quant: QuantParams, has_residual: bool, gemma: bool,
+                        write_y: bool, cluster_n: int = 1) -> Callable:
+    """The compiled single-GPU kernel; call as f(x, res, res_out, w, y, q, scales, scale, gs, eps)."""
+    cdtype = CUTE_DTYPES[dtype]
+    tiling = choose_tiling(hidden, cluster_n, quant.block)
+    kernel = FusedAddRMSNormQuant(tiling, quant, has_residual, gemma, write_y)
+    args = fake_norm_quant_args(cdtype, hidden, quant, has_residual, write_y, compat.sym_int(32))
     stream = compat.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return compat.compile_tvm_ffi(kernel, x, res, res_out, w, y, q, s, scale, gs, Float32(1e-6), stream)
+    return compat.compile_tvm_ffi(kernel, *args, Float32(1e-6), stream)

@@ -22,7 +22,7 @@ from cutlass import Float32, Int32, Int64
 
 from distnorm.kernels import compat
 from distnorm.kernels.allreduce import AllReduceAddRMSNormQuant
-from distnorm.kernels.compile import CUTE_DTYPES, fake_q, fake_rows, fake_scales
+from distnorm.kernels.compile import CUTE_DTYPES, fake_norm_quant_args, fake_rows
 from distnorm.kernels.norm_quant import QuantParams, choose_tiling
 
 
@@ -45,15 +45,8 @@ def compiled_allreduce(algo: str, world: int, dtype: str, hidden: int, quant: Qu
     kernel = AllReduceAddRMSNormQuant(algo, world, tiling, quant, has_residual, gemma, write_y,
                                       write_allreduce)
     m = compat.sym_int(32)
-    x = fake_rows(cdtype, hidden, m)
-    res = fake_rows(cdtype, hidden, m) if has_residual else None
-    res_out = fake_rows(cdtype, hidden, m) if has_residual else None
-    w = compat.make_fake_tensor(cdtype, (hidden,), (1,), assumed_align=16)
-    y = fake_rows(cdtype, hidden, m) if write_y else None
-    q = fake_q(quant, hidden, m)
-    s = fake_scales(quant, hidden, m)
-    scale = compat.make_fake_tensor(Float32, (1,), (1,), assumed_align=4) if quant.kind == "fp8" else None
-    gs = compat.make_fake_tensor(Float32, (1,), (1,), assumed_align=4) if quant.kind == "nvfp4" else None
+    x, res, res_out, w, y, q, s, scale, gs = fake_norm_quant_args(cdtype, hidden, quant, has_residual,
+                                                                  write_y, m)
     ar = fake_rows(cdtype, hidden, m) if write_allreduce else None
     nptr = world * 3 if algo == "lamport" else world
     bufp = compat.make_fake_tensor(cutlass.Int64, (nptr,), (1,), assumed_align=8)

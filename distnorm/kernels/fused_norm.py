@@ -9,8 +9,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from distnorm.kernels import ptx  # absolute: the 4.3.5 DSL preprocessor cannot resolve relative imports
-from distnorm.kernels.norm_quant import VEC, NormQuantCore, QuantParams, RowTiling
+from distnorm.kernels.norm_quant import VEC, NormQuantCore, QuantParams, RowTiling  # absolute: see compat.py
 
 
 class FusedAddRMSNormQuant:
@@ -56,12 +55,7 @@ class FusedAddRMSNormQuant:
         row_valid = row < m
 
         # scalars first: their loads overlap the row loads instead of following the residual stores
-        static_inv = Float32(0.0)
-        global_scale = Float32(0.0)
-        if const_expr(self.q.kind == "fp8"):
-            static_inv = ptx.rcp_rn(mScale[0])
-        if const_expr(self.q.kind == "nvfp4"):
-            global_scale = mGS[0]
+        static_inv, global_scale = self.core.load_scalars(mScale, mGS)
 
         smem = cutlass.utils.SmemAllocator()
         bufs = self.core.allocate_smem(smem)

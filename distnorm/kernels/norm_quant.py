@@ -138,6 +138,17 @@ class NormQuantCore:
             bufs.append((warp_buf, cta_buf))
         return bufs
 
+    @cute.jit
+    def load_scalars(self, mScale, mGS):
+        """(1 / static scale, NVFP4 global scale) for the formats that take them, else zeros."""
+        static_inv = Float32(0.0)
+        global_scale = Float32(0.0)
+        if const_expr(self.q.kind == "fp8"):
+            static_inv = ptx.rcp_rn(mScale[0])
+        if const_expr(self.q.kind == "nvfp4"):
+            global_scale = mGS[0]
+        return static_inv, global_scale
+
     # ---- reductions ----------------------------------------------------------------------------
     @cute.jit
     def row_reduce(self, val: Float32, is_max: cutlass.Constexpr, bufs, row_in_cta: Int32,

@@ -12,7 +12,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 
-def _asm(ret_type, args, text: str, constraints: str, side_effects: bool = False):
+def inline_asm(ret_type, args, text: str, constraints: str, side_effects: bool = False):
+    """llvm.inline_asm in AT&T dialect (shared by ptx.py and sync.py)."""
     return llvm.inline_asm(
         ret_type,
         args,
@@ -35,20 +36,20 @@ def _i(x, loc=None, ip=None):
 @dsl_user_op
 def rcp_rn(x, *, loc=None, ip=None) -> Float32:
     """Correctly rounded 1/x (SEMANTICS.md `rcp`)."""
-    return Float32(_asm(T.f32(), [_f(x, loc, ip)], "rcp.rn.f32 $0, $1;", "=f,f"))
+    return Float32(inline_asm(T.f32(), [_f(x, loc, ip)], "rcp.rn.f32 $0, $1;", "=f,f"))
 
 
 @dsl_user_op
 def div_rn(a, b, *, loc=None, ip=None) -> Float32:
     """Correctly rounded a / b."""
-    return Float32(_asm(T.f32(), [_f(a, loc, ip), _f(b, loc, ip)], "div.rn.f32 $0, $1, $2;", "=f,f,f"))
+    return Float32(inline_asm(T.f32(), [_f(a, loc, ip), _f(b, loc, ip)], "div.rn.f32 $0, $1, $2;", "=f,f,f"))
 
 
 @dsl_user_op
 def rsqrt_rn(x, *, loc=None, ip=None) -> Float32:
     """1/sqrt(x) as sqrt.rn then rcp.rn: what torch computes on the CPU for float32."""
     return Float32(
-        _asm(
+        inline_asm(
             T.f32(),
             [_f(x, loc, ip)],
             "{ .reg .f32 s; sqrt.rn.f32 s, $1; rcp.rn.f32 $0, s; }",
@@ -60,29 +61,29 @@ def rsqrt_rn(x, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def fmax_nan(a, b, *, loc=None, ip=None) -> Float32:
     """max that returns NaN if either input is NaN (torch.amax semantics)."""
-    return Float32(_asm(T.f32(), [_f(a, loc, ip), _f(b, loc, ip)], "max.NaN.f32 $0, $1, $2;", "=f,f,f"))
+    return Float32(inline_asm(T.f32(), [_f(a, loc, ip), _f(b, loc, ip)], "max.NaN.f32 $0, $1, $2;", "=f,f,f"))
 
 
 @dsl_user_op
 def fabs(a, *, loc=None, ip=None) -> Float32:
-    return Float32(_asm(T.f32(), [_f(a, loc, ip)], "abs.f32 $0, $1;", "=f,f"))
+    return Float32(inline_asm(T.f32(), [_f(a, loc, ip)], "abs.f32 $0, $1;", "=f,f"))
 
 
 @dsl_user_op
 def f32_bits(x, *, loc=None, ip=None) -> Int32:
-    return Int32(_asm(T.i32(), [_f(x, loc, ip)], "mov.b32 $0, $1;", "=r,f"))
+    return Int32(inline_asm(T.i32(), [_f(x, loc, ip)], "mov.b32 $0, $1;", "=r,f"))
 
 
 @dsl_user_op
 def bits_f32(x, *, loc=None, ip=None) -> Float32:
-    return Float32(_asm(T.f32(), [_i(x, loc, ip)], "mov.b32 $0, $1;", "=f,r"))
+    return Float32(inline_asm(T.f32(), [_i(x, loc, ip)], "mov.b32 $0, $1;", "=f,r"))
 
 
 @dsl_user_op
 def e4m3x2(hi, lo, *, loc=None, ip=None) -> Int32:
     """Two float32 -> two saturating e4m3 bytes in the low 16 bits (`lo` in the low byte)."""
     return Int32(
-        _asm(
+        inline_asm(
             T.i32(),
             [_f(hi, loc, ip), _f(lo, loc, ip)],
             "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $2; cvt.u32.u16 $0, t; }",
@@ -95,7 +96,7 @@ def e4m3x2(hi, lo, *, loc=None, ip=None) -> Int32:
 def e4m3_to_f32(byte, *, loc=None, ip=None) -> Float32:
     """The float32 value of the e4m3 byte in the low 8 bits of `byte` (exact)."""
     return Float32(
-        _asm(
+        inline_asm(
             T.f32(),
             [_i(byte, loc, ip)],
             "{ .reg .b16 b; .reg .b32 h2; .reg .f16 h; cvt.u16.u32 b, $1; "
@@ -114,7 +115,7 @@ def smem_ptr_u32(ptr, *, loc=None, ip=None) -> Int32:
 @dsl_user_op
 def st_shared_cluster_f32(local_smem_addr, cta_rank, value, *, loc=None, ip=None) -> None:
     """Store `value` at the same smem offset in CTA `cta_rank` of this cluster (DSMEM)."""
-    _asm(
+    inline_asm(
         None,
         [_i(local_smem_addr, loc, ip), _i(cta_rank, loc, ip), _f(value, loc, ip)],
         "{ .reg .b32 r; mapa.shared::cluster.u32 r, $0, $1; st.shared::cluster.f32 [r], $2; }",

@@ -47,6 +47,8 @@ from cutlass import Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from distnorm.kernels.ptx import inline_asm
+
 __all__ = [
     "MAX_CTAS", "MAX_WORLD", "BARRIER_REGION_WORDS", "region_word", "REGION_BARRIER_TEST",
     "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "ERR_TIMEOUT", "timeout_ns", "check_region",
@@ -112,15 +114,8 @@ def reset_barrier_region(ws, region_word_: int) -> None:
 
 # --- primitives -------------------------------------------------------------------------------
 def _asm(ret_type, args, text: str, constraints: str, side_effects: bool = True):
-    return llvm.inline_asm(
-        ret_type,
-        args,
-        text,
-        constraints,
-        has_side_effects=side_effects,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    # every primitive here orders memory: side effects on by default
+    return inline_asm(ret_type, args, text, constraints, side_effects)
 
 
 def _i32(x, loc=None, ip=None):

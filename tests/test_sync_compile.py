@@ -3,49 +3,23 @@ tensors, no GPU needed (CuTe DSL 4.8+ with CUTE_DSL_ARCH set; 4.3.5 stops at a d
 test skips, saying why). The compile runs in a subprocess: the DSL reads CUTE_DSL_ARCH once."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from cute_compile import compile_in_subprocess
 
-SCRIPT = r"""
-import json, sys
+BODY = """
 from distnorm.kernels.barrier_test_kernel import compiled_barrier_rounds, compiled_primitives_smoke
-
-done = []
-try:
-    for world in (2, 4, 8):
-        for barrier_only in (False, True):
-            compiled_barrier_rounds(world, barrier_only)
-            done.append((world, barrier_only))
-    compiled_primitives_smoke()
-    done.append("v4")
-except Exception as e:
-    name = type(e).__name__
-    if ("Driver" in name or "driver" in str(e)[:300].lower()) and not done:
-        print(json.dumps({"skip": f"{name}: {str(e)[:200]}"}))
-        sys.exit(0)
-    raise
-print(json.dumps({"compiled": len(done)}))
+for world in (2, 4, 8):
+    for barrier_only in (False, True):
+        compiled_barrier_rounds(world, barrier_only)
+        done.append((world, barrier_only))
+compiled_primitives_smoke()
+done.append("v4")
 """
 
 
 def test_barrier_kernels_compile_sm90a():
-    pytest.importorskip("cutlass")
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("DISTNORM_KEEP_PTX", None)
-    p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-3000:]
-    result = json.loads(p.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(f"this CuTe DSL cannot compile without a GPU: {result['skip']}")
-    assert result["compiled"] == 7
+    assert compile_in_subprocess(BODY, timeout=300) == 7
 
 
 def test_region_layout_and_timeout(monkeypatch):

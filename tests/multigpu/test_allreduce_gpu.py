@@ -322,6 +322,32 @@ def _body_lamport_sentinel() -> None:
         ws.barrier()
 
 
+def _body_lamport_changing_hidden() -> None:
+    """Regression: each lamport call refills the previous call's area by that call's own size. When
+    the refill used this call's H with the previous call's rows, a large-H call after a many-row
+    small-H call overran the area (illegal address, 2026-11-21 benchmark) or left sentinel gaps
+    (timeouts). Alternate H with M near one area's capacity; every result checked."""
+    from distnorm.allreduce_ops import allreduce
+    from distnorm.comm import Workspace
+    from distnorm.kernels.lamport import capacity_rows
+    from distnorm.reference import allreduce_ref
+
+    boot = _boot()
+    buffer_bytes = 8 << 20
+    with Workspace(buffer_bytes=buffer_bytes) as ws:
+        def check():
+            for i, H in enumerate((2048, 8192, 2048, 4096, 8192, 2048, 8192)):
+                M = capacity_rows(ws.world_size, H, 2, buffer_bytes) - (i % 2)
+                x, _, _ = _inputs(M, H, ws.rank, 900 + i)
+                out = allreduce(x, workspace=ws, algo="lamport")
+                torch.cuda.synchronize()
+                ws.raise_if_failed()
+                ref = allreduce_ref(_all_gather(x))
+                assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), f"call {i} (M={M}, H={H}) differs"
+        _gathered_check(boot, check)
+        ws.barrier()
+
+
 # --- tests ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("algo", ALGOS)
 def test_allreduce_add_rmsnorm_grid(algo):
@@ -343,3 +369,7 @@ def test_lamport_chunks_above_capacity():
 
 def test_lamport_sentinel_like_data():
     run_distributed(_body_lamport_sentinel, timeout_s=TIMEOUT_S)
+
+
+def test_lamport_changing_hidden():
+    run_distributed(_body_lamport_changing_hidden, timeout_s=TIMEOUT_S)

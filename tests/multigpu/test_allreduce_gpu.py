@@ -24,15 +24,12 @@ import sys
 import pytest
 import torch
 
-from distnorm.launch import launch_world_size, run_distributed
+from harness import MULTIGPU_MARKS, gathered_check as _gathered_check
+from distnorm.launch import run_distributed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-WORLD = launch_world_size()
-pytestmark = [
-    pytest.mark.multigpu,
-    pytest.mark.skipif(WORLD < 2, reason=f"needs >= 2 GPUs / ranks, have {WORLD}"),
-]
+pytestmark = MULTIGPU_MARKS
 FULL = os.environ.get("DISTNORM_FULL") == "1"
 TIMEOUT_S = 900 if FULL else 400
 MiB = 1 << 20
@@ -59,16 +56,6 @@ def _boot():
     from distnorm.comm import resolve_bootstrap
     return resolve_bootstrap(None)
 
-
-def _gathered_check(boot, check, *args):
-    error = None
-    try:
-        check(*args)
-    except Exception as e:  # noqa: BLE001 - re-raised collectively below
-        import traceback
-        error = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"
-    failures = [f"rank {r}: {e}" for r, e in enumerate(boot.all_gather_object(error)) if e]
-    assert not failures, "\n".join(failures)
 
 
 def _all_gather(t: torch.Tensor) -> list:

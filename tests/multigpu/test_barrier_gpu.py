@@ -13,28 +13,12 @@ import pytest
 import torch
 
 from distnorm.comm import CommTimeoutError, Workspace, resolve_bootstrap
-from distnorm.launch import launch_world_size, run_distributed
+from harness import MULTIGPU_MARKS, TIMEOUT_S, gathered_check as _gathered_check
+from distnorm.launch import run_distributed
 
-WORLD = launch_world_size()
-pytestmark = [
-    pytest.mark.multigpu,
-    pytest.mark.skipif(WORLD < 2, reason=f"needs >= 2 GPUs / ranks, have {WORLD}"),
-]
-TIMEOUT_S = 300
+pytestmark = MULTIGPU_MARKS
 MiB = 1 << 20
 
-
-def _gathered_check(boot, check, *args):
-    """Run check(*args) here, gather every rank's failure, and fail on all ranks if any failed."""
-    error = None
-    result = None
-    try:
-        result = check(*args)
-    except Exception as e:  # noqa: BLE001 - re-raised collectively below
-        error = f"{type(e).__name__}: {e}"
-    failures = [f"rank {r}: {e}" for r, e in enumerate(boot.all_gather_object(error)) if e]
-    assert not failures, "\n".join(failures)
-    return result
 
 
 def _workspace():

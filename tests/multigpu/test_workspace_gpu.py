@@ -19,14 +19,10 @@ import pytest
 import torch
 
 from distnorm.comm import BACKENDS, CommTimeoutError, Workspace, resolve_bootstrap
-from distnorm.launch import detect_launch_env, get_or_create_group, launch_world_size, run_distributed
+from harness import MULTIGPU_MARKS, TIMEOUT_S, WORLD, gathered_check as _gathered_check
+from distnorm.launch import detect_launch_env, get_or_create_group, run_distributed
 
-WORLD = launch_world_size()
-pytestmark = [
-    pytest.mark.multigpu,
-    pytest.mark.skipif(WORLD < 2, reason=f"needs >= 2 GPUs / ranks, have {WORLD}"),
-]
-TIMEOUT_S = 300
+pytestmark = MULTIGPU_MARKS
 MiB = 1 << 20
 
 
@@ -46,16 +42,6 @@ BACKEND_PARAMS = [pytest.param(b, marks=pytest.mark.skipif(not _AVAILABLE[b],
 
 
 # --- helpers (run on every rank) -----------------------------------------------------------
-def _gathered_check(boot, check, *args):
-    """Run check(*args) here, gather every rank's failure, and fail on all ranks if any failed."""
-    error = None
-    try:
-        check(*args)
-    except Exception as e:  # noqa: BLE001 - re-raised collectively below
-        error = f"{type(e).__name__}: {e}"
-    failures = [f"rank {r}: {e}" for r, e in enumerate(boot.all_gather_object(error)) if e]
-    assert not failures, "\n".join(failures)
-
 
 def _pattern(rank: int, nbytes: int, seed: int, device) -> torch.Tensor:
     """Rank-specific random bytes in [1, 255]: never zero, so never mistaken for fresh memory."""

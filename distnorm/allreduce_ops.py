@@ -34,8 +34,8 @@ from torch import Tensor
 
 from .formats import NormQuantOutput, QuantSpec
 from .ops import (_DTYPE_NAMES, allocate_outputs, cached_spec, check_aligned, check_inputs,
-                  check_rows, inputs_look_valid, kernel_views, spec_to_args, spec_from_args,
-                  spec_to_user_args)
+                  check_rows, inputs_look_valid, kernel_views, scalar_looks_valid, spec_from_args,
+                  spec_to_args, spec_to_user_args)
 
 log = logging.getLogger(__name__)
 
@@ -380,8 +380,9 @@ def allreduce_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor,
     """
     spec, _ = cached_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0)
     kind = None if spec is None else spec.kind
-    if (not inputs_look_valid(x, residual, weight, spec) or (kind == "fp8" and type(scale) is not Tensor)
-            or (kind == "nvfp4" and type(global_scale) is not Tensor)):
+    if (not inputs_look_valid(x, residual, weight, spec, eps)
+            or (kind == "fp8" and not scalar_looks_valid(scale, x))
+            or (kind == "nvfp4" and not scalar_looks_valid(global_scale, x))):
         check_inputs(x, residual, weight, spec, scale, global_scale, eps)
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")

@@ -250,8 +250,10 @@ def cached_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0):
     return hit
 
 
-def inputs_look_valid(x, residual, weight, spec) -> bool:
+def inputs_look_valid(x, residual, weight, spec, eps) -> bool:
     """Cheap checks of the common case; when False, check_inputs says exactly what is wrong."""
+    if type(eps) not in (float, int) or not eps >= 0:
+        return False
     if type(x) is not Tensor or x.dim() != 2 or x.dtype not in ACT_DTYPES:
         return False
     H = x.shape[1]
@@ -266,6 +268,12 @@ def inputs_look_valid(x, residual, weight, spec) -> bool:
                                  or residual.dtype != x.dtype or residual.get_device() != dev):
         return False
     return True
+
+
+def scalar_looks_valid(t, x: Tensor) -> bool:
+    """Cheap check of a scale / global_scale argument: a float32 one-element tensor on x's device."""
+    return (type(t) is Tensor and t.dtype == torch.float32 and t.numel() == 1
+            and t.get_device() == x.get_device())
 
 
 def add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-6, *,
@@ -285,8 +293,9 @@ def add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
     """
     spec, _ = cached_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0)
     kind = None if spec is None else spec.kind
-    if (not inputs_look_valid(x, residual, weight, spec) or (kind == "fp8" and type(scale) is not Tensor)
-            or (kind == "nvfp4" and type(global_scale) is not Tensor)):
+    if (not inputs_look_valid(x, residual, weight, spec, eps)
+            or (kind == "fp8" and not scalar_looks_valid(scale, x))
+            or (kind == "nvfp4" and not scalar_looks_valid(global_scale, x))):
         check_inputs(x, residual, weight, spec, scale, global_scale, eps)  # raises with the reason
     want_y = norm_out or spec is None or y_out is not None
     residual_out, y_out, q_out, scales_out = allocate_outputs(

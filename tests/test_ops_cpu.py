@@ -1,0 +1,102 @@
+"""CPU tests of the user-facing ops: bad input gets a clear error naming the argument; the CPU path
+(the reference) matches distnorm.reference; the ops trace under torch.compile(fullgraph=True)."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import distnorm
+from distnorm.reference import add_rmsnorm_ref
+
+
+def _inputs(M=5, H=512, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, H, generator=g).to(dtype)
+    res = torch.randn(M, H, generator=g).to(dtype)
+    w = (torch.rand(H, generator=g) + 0.5).to(dtype)
+    return x, res, w
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"quant": "int8"}, ValueError, "quant"),
+    ({"quant": "fp8"}, ValueError, "scale"),
+    ({"quant": "nvfp4"}, ValueError, "global_scale"),
+    ({"quant": "fp8_per_group", "group_size": 32}, ValueError, "group_size"),
+    ({"quant": "nvfp4", "global_scale": torch.tensor([1.0]), "sf_layout": "tiled"}, ValueError, "sf_layout"),
+    ({"quant": "fp8", "scale": 0.5}, TypeError, "scale"),
+    ({"quant": "fp8", "scale": torch.tensor([1.0, 2.0])}, ValueError, "scale"),
+    ({"eps": -1.0}, ValueError, "eps"),
+])
+def test_add_rmsnorm_option_errors(kwargs, exc, match):
+    x, res, w = _inputs()
+    with pytest.raises(exc, match=match):
+        distnorm.add_rmsnorm(x, res, w, **kwargs)
+
+
+def test_add_rmsnorm_tensor_errors():
+    x, res, w = _inputs()
+    with pytest.raises(ValueError, match="x must be a 2-D"):
+        distnorm.add_rmsnorm(x[0], None, w)
+    with pytest.raises(ValueError, match="x must be bfloat16 or float16"):
+        distnorm.add_rmsnorm(x.float(), None, w.float())
+    with pytest.raises(ValueError, match="residual"):
+        distnorm.add_rmsnorm(x, res[:3], w)
+    with pytest.raises(ValueError, match="residual"):
+        distnorm.add_rmsnorm(x, res.half(), w)
+    with pytest.raises(ValueError, match="weight"):
+        distnorm.add_rmsnorm(x, res, w[:100])
+    with pytest.raises(ValueError, match="hidden size"):
+        distnorm.add_rmsnorm(x[:, :100], None, w[:100])
+    with pytest.raises(ValueError, match="hidden size"):  # nvfp4 needs H % 16 == 0
+        xs, _, ws = _inputs(H=264)
+        distnorm.add_rmsnorm(xs, None, ws, quant="nvfp4", global_scale=torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="residual_out"):
+        distnorm.add_rmsnorm(x, res, w, residual_out=torch.empty(5, 256, dtype=x.dtype))
+    with pytest.raises(ValueError, match="scales_out"):
+        distnorm.add_rmsnorm(x, res, w, quant="fp8_per_token", scales_out=torch.empty(5, 2))
+
+
+@pytest.mark.parametrize("quant, extra", [(None, {}), ("fp8_per_token", {}),
+                                          ("nvfp4", {"global_scale": torch.tensor([100.0])}),
+                                          ("mxfp4", {"sf_layout": "linear"})])
+def test_cpu_path_is_the_reference_and_in_place_works(quant, extra):
+    x, res, w = _inputs(M=7, H=1024, seed=3)
+    ref = add_rmsnorm_ref(x, res, w, 1e-6, quant=quant, norm_out=True, **extra)
+    res_in = res.clone()
+    out = distnorm.add_rmsnorm(x, res_in, w, 1e-6, quant=quant, norm_out=True, residual_out=res_in, **extra)
+    assert out.residual is res_in and torch.equal(res_in, ref.residual)
+    assert torch.equal(out.y, ref.y)
+    if quant is not None:
+        assert torch.equal(out.q.view(torch.uint8), ref.q.view(torch.uint8))
+        assert torch.equal(out.scales.view(torch.uint8), ref.scales.view(torch.uint8))
+
+
+def test_zero_tokens():
+    x, res, w = _inputs(M=0)
+    out = distnorm.add_rmsnorm(x, res, w, quant="fp8_per_group")
+    assert out.q.shape == (0, 512) and out.scales.shape == (0, 4) and out.residual.shape == (0, 512)
+
+
+def test_compile_fullgraph_cpu():
+    x, res, w = _inputs(M=4, H=768, seed=5)
+    f = torch.compile(lambda a, b, c: distnorm.add_rmsnorm(a, b, c, 1e-6, quant="mxfp8"), fullgraph=True)
+    out = f(x, res, w)
+    ref = add_rmsnorm_ref(x, res, w, 1e-6, quant="mxfp8")
+    assert torch.equal(out.q.view(torch.uint8), ref.q.view(torch.uint8))
+    assert torch.equal(out.scales, ref.scales)
+
+
+def test_allreduce_argument_errors():
+    x, res, w = _inputs()
+    with pytest.raises(TypeError, match="workspace"):
+        distnorm.allreduce_add_rmsnorm(x, res, w, workspace=None)
+    with pytest.raises(ValueError, match="algo"):
+        distnorm.allreduce_add_rmsnorm(x, res, w, workspace=types.SimpleNamespace(world_size=2), algo="ring")
+    with pytest.raises(RuntimeError, match="closed"):
+        distnorm.allreduce(x, workspace=types.SimpleNamespace(world_size=2, closed=True))
+    with pytest.raises(ValueError, match="algo"):
+        distnorm.allreduce(x, workspace=types.SimpleNamespace(world_size=2), algo="ring")
+    with pytest.raises(ValueError, match="scale"):
+        distnorm.allreduce_add_rmsnorm(x, res, w, workspace=types.SimpleNamespace(world_size=2), quant="fp8")

@@ -40,7 +40,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from distnorm.kernels import lamport, ptx  # absolute imports: the 4.3.5 DSL preprocessor needs them
+from distnorm.kernels import lamport  # absolute imports: the 4.3.5 DSL preprocessor needs them
 from distnorm.kernels.norm_quant import VEC, NormQuantCore, QuantParams, RowTiling
 from distnorm.kernels.sync import (BARRIER_REGION_WORDS, ERR_TIMEOUT, atomic_cas_sys_u32,
                                    cta_barrier, globaltimer_ns, ld_volatile_sys_u32,
@@ -171,13 +171,9 @@ class AllReduceAddRMSNormQuant:
 
         smem = cutlass.utils.SmemAllocator()
         bufs = self.core.allocate_smem(smem)
-        nv = t.vecs_per_thread
-        rT = cute.make_rmem_tensor(cute.make_layout(nv * VEC), dtype)
-        rR = cute.make_rmem_tensor(cute.make_layout(nv * VEC), dtype)
-        rH = cute.make_rmem_tensor(cute.make_layout(nv * VEC), Float32)
-        rT.fill(0.0)
-        rR.fill(0.0)
-        rH.fill(0.0)
+        rT = self.core.zeros(dtype)
+        rR = self.core.zeros(dtype)
+        rH = self.core.zeros(Float32)
         static_inv, global_scale = self.core.load_scalars(mScale, mGS)
 
         # phase 1: push my rows into slot `rank` of every rank's buffer
@@ -233,15 +229,10 @@ class AllReduceAddRMSNormQuant:
 
         smem = cutlass.utils.SmemAllocator()
         bufs = self.core.allocate_smem(smem)
-        nv = t.vecs_per_thread
-        rT = cute.make_rmem_tensor(cute.make_layout(nv * VEC), dtype)
-        rR = cute.make_rmem_tensor(cute.make_layout(nv * VEC), dtype)
-        rH = cute.make_rmem_tensor(cute.make_layout(nv * VEC), Float32)
-        rA = cute.make_rmem_tensor(cute.make_layout(nv * VEC), Float32)
-        rT.fill(0.0)
-        rR.fill(0.0)
-        rH.fill(0.0)
-        rA.fill(0.0)
+        rT = self.core.zeros(dtype)
+        rR = self.core.zeros(dtype)
+        rH = self.core.zeros(Float32)
+        rA = self.core.zeros(Float32)
         static_inv, global_scale = self.core.load_scalars(mScale, mGS)
 
         # phase 1 (reduce-scatter push): row i of slice s -> rank s, slot `rank`, row i
@@ -371,13 +362,10 @@ class AllReduceAddRMSNormQuant:
 
         smem = cutlass.utils.SmemAllocator()
         bufs = self.core.allocate_smem(smem)
-        rT = cute.make_rmem_tensor(cute.make_layout(nv * VEC), dtype)
-        rR = cute.make_rmem_tensor(cute.make_layout(nv * VEC), dtype)
-        rH = cute.make_rmem_tensor(cute.make_layout(nv * VEC), Float32)
+        rT = self.core.zeros(dtype)
+        rR = self.core.zeros(dtype)
+        rH = self.core.zeros(Float32)
         rAll = cute.make_rmem_tensor(cute.make_layout(world * nv * 4), Int32)  # N slots' words
-        rT.fill(0.0)
-        rR.fill(0.0)
-        rH.fill(0.0)
         rAll.fill(0)
         rTw = cute.recast_tensor(rT, Int32)
         rAllT = cute.recast_tensor(rAll, dtype)

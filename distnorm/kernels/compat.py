@@ -11,9 +11,9 @@ import os
 import cutlass.cute as cute
 
 try:  # 4.8 moved it to cutlass.runtime and re-exports it from cute.runtime; 4.3.5 has cute.runtime only
-    from cutlass.cute.runtime import make_fake_stream
+    from cutlass.cute.runtime import make_fake_stream  # noqa: F401 - re-exported
 except ImportError:  # pragma: no cover
-    from cutlass.runtime import make_fake_stream  # type: ignore
+    from cutlass.runtime import make_fake_stream  # type: ignore  # noqa: F401
 
 make_fake_tensor = cute.runtime.make_fake_tensor
 

@@ -17,7 +17,6 @@ import functools
 from typing import Callable
 
 import cutlass
-import cutlass.cute as cute
 from cutlass import Float32
 
 from distnorm.kernels import compat

@@ -64,11 +64,9 @@ class FusedAddRMSNormQuant:
 
         nv = t.vecs_per_thread
         vbase = cta_rank * t.vecs_per_cta_row
-        rX = cute.make_rmem_tensor(cute.make_layout(nv * VEC), mX.element_type)
-        rR = cute.make_rmem_tensor(cute.make_layout(nv * VEC), mX.element_type)
-        rH = cute.make_rmem_tensor(cute.make_layout(nv * VEC), Float32)
-        rX.fill(0.0)
-        rR.fill(0.0)
+        rX = self.core.zeros(mX.element_type)
+        rR = self.core.zeros(mX.element_type)
+        rH = self.core.zeros(Float32)
         # all loads first: residual_out may alias residual, so no store may precede a load
         if row_valid:
             tX = cute.zipped_divide(mX[row, None], (VEC,))

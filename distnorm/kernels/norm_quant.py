@@ -138,6 +138,12 @@ class NormQuantCore:
             bufs.append((warp_buf, cta_buf))
         return bufs
 
+    def zeros(self, dtype):
+        """A zero-filled register fragment holding this thread's vectors of one row."""
+        frag = cute.make_rmem_tensor(cute.make_layout(self.t.vecs_per_thread * VEC), dtype)
+        frag.fill(0.0)
+        return frag
+
     @cute.jit
     def load_scalars(self, mScale, mGS):
         """(1 / static scale, NVFP4 global scale) for the formats that take them, else zeros."""
@@ -269,8 +275,7 @@ class NormQuantCore:
         nv = t.vecs_per_thread
         vbase = cta_rank * t.vecs_per_cta_row
         # the weight load is issued before the reduction so its latency hides behind it (matters at M=1)
-        rW = cute.make_rmem_tensor(cute.make_layout(nv * VEC), mW.element_type)
-        rW.fill(0.0)
+        rW = self.zeros(mW.element_type)
         tW = cute.zipped_divide(mW, (VEC,))
         for j in cutlass.range_constexpr(nv):
             v = lane + j * t.threads_per_row

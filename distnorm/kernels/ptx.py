@@ -7,7 +7,7 @@ saturating e4m3 conversion.
 """
 from __future__ import annotations
 
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 

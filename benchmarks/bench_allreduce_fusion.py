@@ -3,7 +3,8 @@ NCCL, PyTorch symmetric memory, the unfused chain (eager and torch.compile) and 
 
     torchrun --nproc-per-node N benchmarks/bench_allreduce_fusion.py --out benchmarks/results/ar_h200_xN
 
-Each entry: CUDA graph of 20 calls, median of 20 replays (us per call), max over ranks. Inputs differ
+Each entry: CUDA graph of 20 calls, median of 19 replays queued back to back behind a sleep kernel
+(us per call; common.time_graph_us(prequeue=True)), max over ranks. Inputs differ
 per rank. Writes <out>.md / .json / .png. Peers that fail to run are reported, not fatal.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -25,6 +27,7 @@ import torch.distributed as dist  # noqa: E402
 from common import time_graph_us  # noqa: E402
 
 import distnorm  # noqa: E402
+from distnorm import allreduce_ops  # noqa: E402
 from distnorm.allreduce_ops import allreduce, allreduce_add_rmsnorm  # noqa: E402
 from distnorm.comm import Workspace  # noqa: E402
 from distnorm.launch import init_distributed  # noqa: E402
@@ -45,7 +48,16 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="*", default=[1, 8, 32, 128, 512, 2048, 8192, 16384])
     ap.add_argument("--hidden", type=int, nargs="*", default=[4096, 8192])
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--cases", default="", help="regex: run only the cases whose name matches")
+    ap.add_argument("--tuning", nargs="*", default=[],
+                    help="extra distnorm variants NAME:pdl=0|1,rpc=N,rpcts=N (rows per CTA of lamport and "
+                         "one-shot / of two-shot), each run as dn_*@NAME beside the defaults")
     args = ap.parse_args()
+    variants = {"": {}}
+    for spec in args.tuning:
+        name, _, kv = spec.partition(":")
+        variants["@" + name] = dict(item.split("=") for item in kv.split(",") if item)
+    case_re = re.compile(args.cases) if args.cases else None
     env = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -80,11 +92,13 @@ def main():
             ro, yo, xc = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
             q8 = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=dev)
             cases = {}
-            for algo in (("lamport", "oneshot", "twoshot") if M <= 2048 else ("oneshot", "twoshot")):
-                cases[f"dn_norm_{algo}"] = lambda a=algo: allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, norm_out=True, algo=a, residual_out=ro, y_out=yo)
-                cases[f"dn_fp8_{algo}"] = lambda a=algo: allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, quant="fp8", scale=scale, algo=a, residual_out=ro, q_out=q8)
-                cases[f"dn_nvfp4_{algo}"] = lambda a=algo: allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, quant="nvfp4", global_scale=gs, algo=a, residual_out=ro)
-                cases[f"dn_ar_{algo}"] = lambda a=algo: allreduce(x, workspace=ws, algo=a, out=xc)
+            for vname, tune in variants.items():
+                t = lambda tune=tune: apply_tuning(tune)  # noqa: E731 - set before each call (capture)
+                for algo in (("lamport", "oneshot", "twoshot") if M <= 2048 else ("oneshot", "twoshot")):
+                    cases[f"dn_norm_{algo}{vname}"] = lambda a=algo, t=t: (t(), allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, norm_out=True, algo=a, residual_out=ro, y_out=yo))
+                    cases[f"dn_fp8_{algo}{vname}"] = lambda a=algo, t=t: (t(), allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, quant="fp8", scale=scale, algo=a, residual_out=ro, q_out=q8))
+                    cases[f"dn_nvfp4_{algo}{vname}"] = lambda a=algo, t=t: (t(), allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, quant="nvfp4", global_scale=gs, algo=a, residual_out=ro))
+                    cases[f"dn_ar_{algo}{vname}"] = lambda a=algo, t=t: (t(), allreduce(x, workspace=ws, algo=a, out=xc))
             cases["nccl_ar"] = lambda: (xc.copy_(x), dist.all_reduce(xc))
             cases["unfused"] = lambda: (xc.copy_(x), dist.all_reduce(xc), unfused_tail(xc, res, w, inv))
             if compiled_tail is not None:
@@ -98,12 +112,19 @@ def main():
                     sfx = "_pdl" if pdl else ""
                     cases["fi_norm" + sfx] = lambda p=pdl: fi.call(x, res, w, residual_out=ro, norm_out=yo, pdl=p)
                     cases["fi_fp8" + sfx] = lambda p=pdl: fi.call(x, res, w, residual_out=ro, quant_out=q8, scale=scale, pdl=p)
+            if case_re is not None:
+                cases = {k: v for k, v in cases.items() if case_re.search(k)}
             row = {"M": M, "H": H, "MB": M * H * 2 / 1e6}
             for name, fn in cases.items():
                 dist.barrier()
                 try:
-                    us = time_graph_us(fn)
+                    us, lo, hi = time_graph_us(fn, stats=True, prequeue=True)
                     ok = 1.0
+                    if name.startswith("dn_") and not outputs_correct(name, x, res, ro, xc):
+                        print(f"rank {rank}: {name} M={M} H={H}: WRONG OUTPUT after timing", flush=True)
+                        ok = 0.0
+                    if hi > 3 * lo:
+                        print(f"rank {rank}: {name} M={M} H={H}: replays {lo:.1f}..{hi:.1f} us (median {us:.1f})", flush=True)
                 except Exception as e:  # noqa: BLE001
                     if rank == 0:
                         print(f"{name} M={M} H={H} failed: {repr(e)[:160]}", flush=True)
@@ -134,8 +155,34 @@ def main():
     dist.destroy_process_group()
 
 
+_DEFAULT_TUNING = {"pdl": allreduce_ops.TUNING["pdl"], "rows_per_cta": dict(allreduce_ops.TUNING["rows_per_cta"])}
+
+
+def apply_tuning(tune: dict) -> None:
+    """Set distnorm's launch settings for the next call: the defaults, overridden by `tune`."""
+    allreduce_ops.TUNING["pdl"] = bool(int(tune.get("pdl", _DEFAULT_TUNING["pdl"])))
+    rpc = dict(_DEFAULT_TUNING["rows_per_cta"])
+    if "rpc" in tune:
+        rpc["lamport"] = rpc["oneshot"] = int(tune["rpc"])
+    if "rpcts" in tune:
+        rpc["twoshot"] = int(tune["rpcts"])
+    allreduce_ops.TUNING["rows_per_cta"] = rpc
+
+
+def outputs_correct(name, x, res, ro, xc) -> bool:
+    """The last timed call's outputs against the ordered float32 sum of the all-gathered x."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc = acc + p.float()
+    if name.startswith("dn_ar"):
+        return torch.equal(xc.view(torch.int16), acc.to(x.dtype).view(torch.int16))
+    return torch.equal(ro.view(torch.int16), (acc + res.float()).to(x.dtype).view(torch.int16))
+
+
 def best(row, prefix):
-    vals = [v for k, v in row.items() if k.startswith(prefix) and isinstance(v, float)]
+    vals = [v for k, v in row.items() if k.startswith(prefix) and "@" not in k and isinstance(v, float)]
     return min(vals) if vals else None
 
 
@@ -143,8 +190,8 @@ def write_table(path, meta, rows):
     cols = [c for c in rows[0] if c not in ("M", "H", "MB")]
     lines = [f"# Fused all-reduce + add + RMSNorm (+quant), {meta['world']} x {meta['device']}", "",
              f"Command: `{meta['command']}`; torch {meta['torch']}, NCCL {meta['nccl']}, workspace backend "
-             f"{meta['workspace_backend']}, {meta['date']}. us per call: CUDA graph of 20 calls, median of 20 "
-             "replays, max over ranks. dn_* = distnorm (norm: bf16 norm output; fp8: static FP8; nvfp4: "
+             f"{meta['workspace_backend']}, {meta['date']}. us per call: CUDA graph of 20 calls, median of 19 "
+             "replays queued back to back, max over ranks. dn_* = distnorm (norm: bf16 norm output; fp8: static FP8; nvfp4: "
              "swizzled scales; ar: plain all-reduce); fi_* = FlashInfer trtllm_allreduce_fusion (fp32 acc).", "",
              "| M | H | MB | " + " | ".join(cols) + " |", "|---:|---:|---:|" + "---:|" * len(cols)]
     for r in rows:

@@ -8,8 +8,15 @@ import torch
 
 
 def time_graph_us(fn: Callable[[], object], calls_per_graph: int = 20, repeats: int = 20,
-                  warmup: int = 3) -> float:
-    """Median microseconds per call of `fn`, captured `calls_per_graph` times in one CUDA graph."""
+                  warmup: int = 3, stats: bool = False, prequeue: bool = False):
+    """Median microseconds per call of `fn`, captured `calls_per_graph` times in one CUDA graph
+    (with stats: (median, min, max) over the repeats).
+
+    prequeue: hold the GPU in a sleep kernel while the host enqueues every replay, each between two
+    events, and synchronize once. Multi-GPU calls wait for their peers, so a host hiccup on one rank
+    between synchronized replays shows up as a slow replay on every rank (seen: whole cases 10x
+    slow, 2026-11-21); queued replays run back to back and only the first absorbs the ranks' skew.
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -24,15 +31,31 @@ def time_graph_us(fn: Callable[[], object], calls_per_graph: int = 20, repeats: 
     g.replay()
     torch.cuda.synchronize()
     times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(repeats):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / calls_per_graph)
+    if prequeue:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+        torch.cuda._sleep(_SLEEP_CYCLES)  # ~2 ms: longer than enqueueing the replays takes
+        events[0].record()
+        for i in range(repeats):
+            g.replay()
+            events[i + 1].record()
+        events[-1].synchronize()
+        times = [events[i].elapsed_time(events[i + 1]) * 1000.0 / calls_per_graph
+                 for i in range(1, repeats)]  # the first replay absorbs the skew between ranks
+    else:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(repeats):
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000.0 / calls_per_graph)
     del g
+    if stats:
+        return statistics.median(times), min(times), max(times)
     return statistics.median(times)
+
+
+_SLEEP_CYCLES = 4_000_000
 
 
 def copy_bandwidth_tbs(nbytes: int = 2 << 30) -> float:

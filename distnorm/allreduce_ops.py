@@ -27,6 +27,7 @@ Registered as the torch.library custom ops `distnorm::allreduce_add_rmsnorm_out`
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -43,26 +44,44 @@ ALGOS = ("auto", "lamport", "oneshot", "twoshot")
 # Crossovers in bytes per rank (M * H * element size), by world size.
 # World 2: measured on 2 x H200 (NV18), benchmarks/results/allreduce_fusion_h200_x2.md, command
 #   torchrun --nproc-per-node 2 benchmarks/bench_allreduce_fusion.py --out benchmarks/results/allreduce_fusion_h200_x2
-#   fused fp8, H=4096: lamport 18.4 us vs one-shot 21.7 vs two-shot 23.8 at 4 MiB; two-shot 66.8 vs
-#   one-shot 74.6 vs lamport 79.7 at 16 MiB: lamport up to 8 MiB, two-shot above (one-shot never wins).
+#   fused fp8: lamport 17.6 us vs two-shot 22.2 at 4 MiB (512 x 4096); two-shot 34.2 vs lamport 35.3
+#   at 8 MiB (512 x 8192), 61.2 vs 75.1 at 16 MiB: lamport up to 4 MiB. Plain all-reduce (no
+#   epilogue): lamport 30.6 vs two-shot 33.1 at 8 MiB, two-shot 57.6 vs 64.7 at 16 MiB: lamport up
+#   to 8 MiB. One-shot never wins.
 # World 4: measured on 4 x H200, benchmarks/results/allreduce_fusion_h200_x4.md (same command with
-#   --nproc-per-node 4): fused fp8, lamport 18.8 us vs two-shot 21.3 at 1 MiB (128 x 4096); two-shot
-#   27.8 vs lamport 32.8 at 2 MiB (128 x 8192): lamport up to 1 MiB.
+#   --nproc-per-node 4): fused fp8, lamport 17.9 us vs two-shot 19.1 at 1 MiB (128 x 4096); two-shot
+#   25.1 vs lamport 33.4 at 2 MiB (128 x 8192): lamport up to 1 MiB; plain all-reduce likewise
+#   (17.2 vs 17.9 at 1 MiB, 24.3 vs 33.1 at 2 MiB).
 # World 8: NOT measured (8-GPU machines were not lent): half of world 4's, to be replaced.
-LAMPORT_CROSSOVER_BYTES = {2: 8 << 20, 4: 1 << 20, 8: 512 << 10}
+LAMPORT_CROSSOVER_BYTES = {2: 4 << 20, 4: 1 << 20, 8: 512 << 10}
+LAMPORT_CROSSOVER_BYTES_PLAIN = {2: 8 << 20, 4: 1 << 20, 8: 512 << 10}  # distnorm.allreduce
 # Bytes per rank up to which the barrier one-shot beats two-shot when lamport does not apply
 # (M beyond one lamport area): one-shot lost to lamport or two-shot at every measured size.
 AUTO_CROSSOVER_BYTES = {2: 8 << 20, 4: 1 << 20, 8: 512 << 10}
 
+# Launch settings that are not part of the semantics (benchmarks A/B them):
+# pdl: launch with programmatic dependent launch (kernels/allreduce.py NOTE [programmatic dependent
+#   launch]); DISTNORM_PDL=0 turns it off.
+# rows_per_cta: {algo: rows per CTA}, 0 = choose_tiling's (kernels/compile_allreduce.py). One row
+#   per CTA spreads small-M lamport / one-shot calls over twice the SMs at H=4096: fused fp8 lamport
+#   on 2 x H200, M=8 / 32 / 128 x 4096: 4.15 / 4.81 / 7.18 us vs 4.66 / 5.20 / 8.02 with two rows
+#   per CTA, equal elsewhere (benchmarks/results/allreduce_fusion_h200_x2.md, --tuning runs).
+TUNING = {
+    "pdl": os.environ.get("DISTNORM_PDL", "1") != "0",
+    "rows_per_cta": {"lamport": 1, "oneshot": 1, "twoshot": 0},
+}
+
 _SM_COUNT: dict = {}
+_GRID_CAP: dict = {}
 _ERR_VIEWS: dict = {}
 _LOGGED_FALLBACK: set = set()
 
 
 def choose_algo(algo: str, world: int, m: int, hidden: int, elem_size: int,
-                buffer_bytes: Optional[int] = None) -> str:
+                buffer_bytes: Optional[int] = None, plain: bool = False) -> str:
     """The algorithm for `algo` ("auto" picks by bytes per rank; lamport only when, given the
-    workspace's buffer_bytes, one lamport call holds all M rows)."""
+    workspace's buffer_bytes, one lamport call holds all M rows). plain: a plain all-reduce (no
+    residual, norm or quantization output)."""
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
     if algo != "auto":
@@ -70,7 +89,8 @@ def choose_algo(algo: str, world: int, m: int, hidden: int, elem_size: int,
     if world <= 1:
         return "oneshot"
     nbytes = m * hidden * elem_size
-    lam = LAMPORT_CROSSOVER_BYTES.get(world, LAMPORT_CROSSOVER_BYTES[8])
+    table = LAMPORT_CROSSOVER_BYTES_PLAIN if plain else LAMPORT_CROSSOVER_BYTES
+    lam = table.get(world, table[8])
     if nbytes <= lam and (buffer_bytes is None
                           or m <= _lamport_capacity(world, hidden, elem_size, buffer_bytes)):
         return "lamport"
@@ -126,6 +146,17 @@ def _sm_count(device: torch.device) -> int:
     return n
 
 
+def _grid_cap(device: torch.device, hidden: int, qparams, rows_per_cta: int) -> int:
+    """Most CTAs one all-reduce launch may have: all of them co-resident (kernels/allreduce.py)."""
+    key = (device, hidden, qparams, rows_per_cta)
+    n = _GRID_CAP.get(key)
+    if n is None:
+        from .kernels.compile_allreduce import allreduce_tiling, co_resident_ctas_per_sm
+        tiling = allreduce_tiling(hidden, qparams, rows_per_cta)
+        n = _GRID_CAP[key] = _sm_count(device) * co_resident_ctas_per_sm(tiling)
+    return n
+
+
 def _err_view(ws) -> Tensor:
     """The workspace's pinned error words as a device tensor (the kernels write it on timeout)."""
     key = id(ws)
@@ -162,7 +193,7 @@ def _check_regions(ws) -> None:
     from .kernels.sync import check_region, region_word
     for name, idx in REGION.items():
         if name != "lamport":  # lamport's state region is checked when it is first prepared
-            check_region(ws, region_word(idx))
+            check_region(ws, region_word(idx))  # (and the device error word)
     _REGIONS_OK[id(ws)] = ws
 
 
@@ -220,7 +251,8 @@ def run_allreduce_kernel(x, residual, weight, eps, spec, scale, global_scale, ge
     if M == 0:
         return
     world = ws.world_size
-    algo = choose_algo(algo, world, M, H, x.element_size(), ws.buffer_bytes)
+    plain = residual_out is None and y_out is None and q_out is None
+    algo = choose_algo(algo, world, M, H, x.element_size(), ws.buffer_bytes, plain)
     qparams = cached_spec(*spec_to_user_args(spec))[1]
     if algo == "lamport" and qparams.swizzled and M > 1:
         cap = _lamport_capacity(world, H, x.element_size(), ws.buffer_bytes)
@@ -230,8 +262,9 @@ def run_allreduce_kernel(x, residual, weight, eps, spec, scale, global_scale, ge
     write_y = y_out is not None
     write_ar = ar_out is not None
     gather_acc = write_ar and residual is not None
+    rpc = TUNING["rows_per_cta"].get(algo, 0)
     kernel = compiled_allreduce(algo, world, _DTYPE_NAMES[x.dtype], H, qparams, residual is not None,
-                                gemma, write_y, write_ar)
+                                gemma, write_y, write_ar, TUNING["pdl"], rpc)
     for name, t in (("x", x), ("residual", residual), ("residual_out", residual_out),
                     ("y_out", y_out), ("allreduce_out", ar_out)):
         if t is not None and (t.data_ptr() | (t.stride(0) * 2 if M > 1 else 0)) % 16:
@@ -242,7 +275,7 @@ def run_allreduce_kernel(x, residual, weight, eps, spec, scale, global_scale, ge
     err = _err_view(ws)
     _check_regions(ws)
     ptrs = _lamport_table(ws) if algo == "lamport" else ws.buffer_ptrs
-    ctas = _sm_count(x.device)
+    ctas = _grid_cap(x.device, H, qparams, rpc)
     for a in range(0, M, step):
         b = min(M, a + step)
         kernel(x[a:b], _chunk(residual, a, b), _chunk(residual_out, a, b), weight, _chunk(y_out, a, b),

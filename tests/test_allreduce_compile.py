@@ -12,7 +12,7 @@ from cute_compile import compile_in_subprocess
 BODY = """
 from distnorm.kernels.compile_allreduce import compiled_allreduce
 from distnorm.kernels.norm_quant import QuantParams
-# (algo, world, dtype, H, quant, residual, gemma, write_y, write_allreduce)
+# (algo, world, dtype, H, quant, residual, gemma, write_y, write_allreduce[, pdl, rows_per_cta])
 variants = [
     ("oneshot", 2, "bfloat16", 4096, QuantParams("fp8"), True, False, False, True),
     ("oneshot", 4, "bfloat16", 7168, QuantParams("nvfp4", 16, swizzled=True), True, False, True, False),
@@ -25,6 +25,10 @@ variants = [
     ("lamport", 4, "bfloat16", 7168, QuantParams("nvfp4", 16, swizzled=True), True, False, True, False),
     ("lamport", 8, "bfloat16", 8192, QuantParams(), False, False, False, True),  # plain all-reduce
     ("lamport", 2, "float16", 2000, QuantParams("fp8_per_token"), True, True, True, True),  # ragged
+    # programmatic dependent launch, one row per CTA
+    ("lamport", 2, "bfloat16", 4096, QuantParams("fp8"), True, False, False, False, True, 1),
+    ("oneshot", 4, "bfloat16", 2048, QuantParams("mxfp4", 32, swizzled=True), True, False, False, False, True, 1),
+    ("twoshot", 4, "float16", 8192, QuantParams("fp8", 0), True, False, True, True, True, 0),
 ]
 for v in variants:
     compiled_allreduce(*v)
@@ -33,7 +37,7 @@ for v in variants:
 
 
 def test_allreduce_kernels_compile_sm90a():
-    assert compile_in_subprocess(BODY) == 11
+    assert compile_in_subprocess(BODY) == 14
 
 
 # --- buffer split and capacities (host arithmetic, no GPU) -----------------------------------------

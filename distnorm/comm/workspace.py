@@ -319,8 +319,15 @@ class Workspace:
             code=code, rank=self.rank, peer=peer, epoch=epoch)
 
     def reset_error(self) -> None:
-        """Zero ``error_flag``."""
+        """Zero ``error_flag`` and this rank's device-side error word (errors.DEVICE_ERROR_WORD)."""
         self.error_flag.zero_()
+        from .errors import DEVICE_ERROR_WORD
+        if (self._impl is not None and not self._closed
+                and (DEVICE_ERROR_WORD + 1) * 4 <= self.signal_bytes):  # else no kernel can run
+            pad = self.peer_signal(self.rank)
+            pad[DEVICE_ERROR_WORD].zero_()
+            if pad.is_cuda:
+                self._torch.cuda.synchronize(pad.device)
 
     # --- lifetime --------------------------------------------------------------------------
     def close(self) -> None:

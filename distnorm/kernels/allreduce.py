@@ -4,35 +4,53 @@ One kernel class, three compile-time algorithms:
 
 - "oneshot" (latency): CTA b owns row groups g = b, b + grid, ... (rows_per_cta rows each, the
   thread -> row mapping of fused_norm.py). Phase 1 pushes this rank's x rows into slot `rank` of
-  EVERY rank's data buffer (128-bit stores through the peer mappings); cta_barrier; phase 2 reads
-  slots 0..N-1 of the local buffer, sums them in float32 in rank order 0..N-1, h = T(acc + res),
+  every OTHER rank's data buffer (128-bit stores through the peer mappings); cta_barrier; phase 2
+  reads slots 0..N-1 of the local buffer (its own slot from x: a rank never sends to itself), sums
+  them in float32 in rank order 0..N-1, h = T(acc + res),
   writes residual_out (and T(acc) when asked), then the shared NormQuantCore epilogue; a final
   cta_barrier so that no rank's next call overwrites a slot a peer is still reading.
   Buffer: [N slots][rows][H] of T (rows = M, or M padded to 128 for swizzled scales).
 
 - "twoshot" (bandwidth): rows are cut into N contiguous slices of S = ceil(rows / N) rows; slice s
   is owned by rank s. Phase 1 (reduce-scatter push): x rows of slice s go to slot `rank` of rank s's
-  scatter area; cta_barrier. Phase 2: each rank reduces its own slice (float32, rank order) and does
-  the residual add there (the residual is replicated, so the owner has it): it pushes T(h) (2 bytes
-  per element) -- and T(acc) when the plain all-reduce output is asked for together with a
-  residual -- into the gather area of every rank; cta_barrier. Phase 3: every rank reads full rows
-  of gathered h from its local buffer, writes residual_out and runs the epilogue. Gathering T(h)
+  scatter area (own slice: stays in x); cta_barrier. Phase 2: each rank reduces its own slice
+  (float32, rank order) and does the residual add there (the residual is replicated, so the owner
+  has it): it pushes T(h) (2 bytes per element) -- and T(acc) when the plain all-reduce output is
+  asked for together with a residual -- into the gather area of every other rank, and runs its own
+  slice's epilogue right there (its HBM traffic overlaps the NVLink pushes); cta_barrier. Phase 3:
+  every rank reads the other slices' full rows of gathered h from its local buffer, writes
+  residual_out and runs the epilogue. Gathering T(h)
   instead of T(acc) keeps h = T(acc + float(res)) exact (one rounding of the float32 sum) and
   bitwise identical on all ranks. Final cta_barrier as in one-shot.
   Buffer: scatter [N][S][H] T, then gather h [N*S][H] T, then (optional) gather acc [N*S][H] T.
 
 - "lamport" (latency, no barrier): one-shot whose readers poll the data itself. Three rotating
   areas (kernels/lamport.py: layout, sentinel); call c pushes its sanitized rows into area c mod 3,
-  slot `rank`, of every rank with 128-bit volatile stores, polls its local area until no word is the
-  sentinel, sums in rank order as one-shot, and refills the previous call's area with the sentinel.
+  slot `rank`, of every other rank with 128-bit volatile stores, polls its local area until no word
+  of the peers' slots is the sentinel (the residual and weight loads are issued before the polls),
+  sums in rank order as one-shot (own rows from x), and refills the peers' slots of the previous
+  call's area with the sentinel (the own slot is never written and stays sentinel).
   The area index lives in the signal pad (NOTE [lamport call state], NOTE [lamport clearing] below).
   The buffer-pointer table is lamport.area_ptr_table: entry k * N + s = rank s's area k.
+
+NOTE [programmatic dependent launch]
+With `pdl` the kernel is launched with the programmatic-stream-serialization attribute: it may be
+scheduled while the previous kernel of the stream still runs, and its first instruction is
+griddepcontrol.wait, which returns once that kernel has completed and its memory is visible. No
+memory access precedes it, so every argument above that relies on stream order still holds; what
+overlaps is the launch itself (block scheduling, the kernel's prologue). The kernel then calls
+griddepcontrol.launch_dependents at once: the next kernel may be scheduled early, but if it is a
+correct PDL consumer it also waits in griddepcontrol.wait for this grid's completion and memory
+flush, so no consumer can see half-written outputs (the early-completion NaNs vLLM works around
+come from consumers that read before that wait).
 
 Barrier coverage: every dependency is between same-index CTAs. CTA b handles the same in-slice row
 groups in every phase (one-shot: the same rows), so after cta_barrier every row CTA b reads was
 written by CTA b of the producing rank. The grid is the same on all ranks (a function of M and the
-SM count) and at most one CTA per SM, so all CTAs are co-resident and spinning CTAs cannot starve
-the peers they wait for. Barrier region 1 serves one-shot, region 2 two-shot (0 is sync.py's test).
+SM count) and at most as many CTAs as are resident together whatever their register count
+(compile_allreduce.co_resident_ctas_per_sm per SM), so all CTAs are co-resident and spinning CTAs
+cannot starve the peers they wait for. Lamport's polling CTAs have the same requirement (a CTA polls
+rows that the same-index CTAs of its peers push). Barrier region 1 serves one-shot, region 2 two-shot (0 is sync.py's test).
 """
 from __future__ import annotations
 
@@ -40,6 +58,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
+from distnorm.comm.errors import DEVICE_ERROR_WORD
 from distnorm.kernels import lamport  # absolute imports: the 4.3.5 DSL preprocessor needs them
 from distnorm.kernels.norm_quant import VEC, NormQuantCore, QuantParams, RowTiling
 from distnorm.kernels.sync import (BARRIER_REGION_WORDS, ERR_TIMEOUT, atomic_cas_sys_u32,
@@ -50,7 +69,8 @@ ALGOS = ("oneshot", "twoshot", "lamport")
 # signal-pad regions (sync.py): region 0 is the barrier self-test kernel's, one-shot takes 1 and
 # two-shot 2 (barriers; never shared between algorithms); lamport keeps its call state in region 3
 REGION = {"oneshot": 1, "twoshot": 2, "lamport": lamport.REGION}
-_SPIN_CHECK_MASK = 255  # lamport polls: look at %globaltimer and the error word every 256 rounds
+# lamport polls: look at %globaltimer and the device error word (comm/errors.py) every 256 rounds
+_SPIN_CHECK_MASK = 255
 
 
 class AllReduceAddRMSNormQuant:
@@ -60,7 +80,8 @@ class AllReduceAddRMSNormQuant:
     """
 
     def __init__(self, algo: str, world: int, tiling: RowTiling, quant: QuantParams,
-                 has_residual: bool, gemma: bool, write_y: bool, write_allreduce: bool):
+                 has_residual: bool, gemma: bool, write_y: bool, write_allreduce: bool,
+                 pdl: bool = False):
         assert algo in ALGOS, algo
         assert tiling.cluster_n == 1, "the all-reduce kernels use one CTA per row group"
         self.algo = algo
@@ -69,6 +90,7 @@ class AllReduceAddRMSNormQuant:
         self.q = quant
         self.has_residual = has_residual
         self.write_allreduce = write_allreduce
+        self.pdl = pdl  # NOTE [programmatic dependent launch]
         # two-shot gathers T(acc) separately only when it differs from the gathered h
         self.gather_acc = write_allreduce and has_residual
         self.region_word = REGION[algo] * BARRIER_REGION_WORDS
@@ -98,6 +120,7 @@ class AllReduceAddRMSNormQuant:
             grid=[blocks, 1, 1],
             block=[t.threads, 1, 1],
             stream=stream,
+            use_pdl=self.pdl,
         )
 
     # ---- device helpers --------------------------------------------------------------------------
@@ -127,14 +150,25 @@ class AllReduceAddRMSNormQuant:
                 tDst[(None, v)].store(self.core._slice(src, j).load().to(dtype))
 
     @cute.jit
-    def _sum_slots(self, rH, rT, base: Int64, slot_elems: Int64, row_elem: Int64, lane: Int32):
-        """rH <- float32 sum over slots 0..N-1 (rank order) of the local buffer's row `row_elem`."""
+    def _sum_slots(self, rH, rT, base: Int64, slot_elems: Int64, row_elem: Int64, own: Int64,
+                   rank: Int32, lane: Int32):
+        """rH <- float32 sum over slots 0..N-1 (rank order) of the local buffer's row `row_elem`,
+        slot `rank` read from address `own` instead (this rank's own row: never sent to itself)."""
         dtype = rT.element_type
-        self._load_row(rT, self._row_view(base, row_elem, dtype), lane)
-        rH.store(rT.load().to(Float32))
-        for s in cutlass.range_constexpr(1, self.world):
-            self._load_row(rT, self._row_view(base, slot_elems * s + row_elem, dtype), lane)
-            rH.store(rH.load() + rT.load().to(Float32))
+        for s in cutlass.range_constexpr(self.world):
+            src = base + (slot_elems * s + row_elem) * Int64(2)
+            if Int32(s) == rank:
+                src = own
+            self._load_row(rT, self._row_view(src, Int64(0), dtype), lane)
+            if const_expr(s == 0):
+                rH.store(rT.load().to(Float32))
+            else:
+                rH.store(rH.load() + rT.load().to(Float32))
+
+    @staticmethod
+    def _row_addr(mT, row) -> Int64:
+        """Byte address of row `row` of a [M, H] tensor."""
+        return mT[row, None].iterator.toint()
 
     @cute.jit
     def _barrier(self, mSig, rank: Int32, bidx: Int32, timeout_ns: Int64, mErr):
@@ -145,6 +179,10 @@ class AllReduceAddRMSNormQuant:
     def kernel(self, mX: cute.Tensor, mR, mRout, mW: cute.Tensor, mY, mQ, mS, mScale, mGS, mAR,
                mBuf: cute.Tensor, mSig: cute.Tensor, mErr: cute.Tensor, rank: Int32, eps: Float32,
                timeout_ns: Int64, rows: Int32, slice_rows: Int32, groups: Int32):
+        if const_expr(self.pdl):
+            # NOTE [programmatic dependent launch]
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
         if const_expr(self.algo == "oneshot"):
             self._oneshot(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr, rank,
                           eps, timeout_ns, rows, groups)
@@ -175,15 +213,18 @@ class AllReduceAddRMSNormQuant:
         rR = self.core.zeros(dtype)
         rH = self.core.zeros(Float32)
         static_inv, global_scale = self.core.load_scalars(mScale, mGS)
+        rW = self.core.load_weight(mW, lane, Int32(0))
 
-        # phase 1: push my rows into slot `rank` of every rank's buffer
+        # phase 1: push my rows into slot `rank` of every other rank's buffer (phase 2 reads my own
+        # rows from x: nobody else reads my slot)
         for g in range(bidx, groups, nblk):
             row = g * t.rows_per_cta + row_in_cta
             if row < m:
                 self._load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
                 off = slot_elems * Int64(rank) + Int64(row) * hidden
                 for s in cutlass.range_constexpr(self.world):
-                    self._store_row(rT, self._row_view(mBuf[s], off, dtype), lane, dtype)
+                    if Int32(s) != rank:
+                        self._store_row(rT, self._row_view(mBuf[s], off, dtype), lane, dtype)
         self._barrier(mSig, rank, bidx, timeout_ns, mErr)
 
         # phase 2: ordered float32 sum of the N slots, residual add, epilogue
@@ -193,7 +234,8 @@ class AllReduceAddRMSNormQuant:
             row_valid = row < m
             rH.fill(0.0)
             if row_valid:
-                self._sum_slots(rH, rT, base, slot_elems, Int64(row) * hidden, lane)
+                self._sum_slots(rH, rT, base, slot_elems, Int64(row) * hidden,
+                                self._row_addr(mX, row), rank, lane)
                 if const_expr(self.write_allreduce):
                     self._store_row(rH, cute.zipped_divide(mAR[row, None], (VEC,)), lane, dtype)
                 if const_expr(self.has_residual):
@@ -204,7 +246,7 @@ class AllReduceAddRMSNormQuant:
                 else:
                     rH.store(rH.load().to(dtype).to(Float32))  # h = T(acc)
             self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, Int32(0), eps, mW,
-                               mY, mQ, mS, static_inv, global_scale, bufs)
+                               mY, mQ, mS, static_inv, global_scale, bufs, rW)
             cute.arch.barrier()  # the next group's reductions reuse the shared-memory partials
         # nobody may overwrite a slot (next call) that a peer still reads
         self._barrier(mSig, rank, bidx, timeout_ns, mErr)
@@ -234,63 +276,86 @@ class AllReduceAddRMSNormQuant:
         rH = self.core.zeros(Float32)
         rA = self.core.zeros(Float32)
         static_inv, global_scale = self.core.load_scalars(mScale, mGS)
+        rW = self.core.load_weight(mW, lane, Int32(0))
 
-        # phase 1 (reduce-scatter push): row i of slice s -> rank s, slot `rank`, row i
+        # phase 1 (reduce-scatter push): row i of slice s -> rank s, slot `rank`, row i; my own
+        # slice stays in x (phase 2 reads it there)
         for g in range(bidx, groups, nblk):
             i = g * t.rows_per_cta + row_in_cta
             for s in cutlass.range_constexpr(self.world):
                 row = s * slice_rows + i
-                if (i < slice_rows) & (row < m):
+                if (i < slice_rows) & (row < m) & (Int32(s) != rank):
                     self._load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
                     off = slot_elems * Int64(rank) + Int64(i) * hidden
                     self._store_row(rT, self._row_view(mBuf[s], off, dtype), lane, dtype)
         self._barrier(mSig, rank, bidx, timeout_ns, mErr)
 
-        # phase 2: reduce my slice, residual add, push T(h) (and T(acc)) to every rank's gather area
+        # phase 2: reduce my slice, residual add, push T(h) (and T(acc)) to the other ranks' gather
+        # areas, then finish my slice's rows here: their epilogue overlaps the NVLink traffic
+        # instead of re-reading h in phase 3
         base = mBuf[rank]
         for g in range(bidx, groups, nblk):
             i = g * t.rows_per_cta + row_in_cta
             row = rank * slice_rows + i
-            if (i < slice_rows) & (row < m):
-                self._sum_slots(rH, rT, base, slot_elems, Int64(i) * hidden, lane)
+            row_valid = (i < slice_rows) & (row < m)
+            rH.fill(0.0)
+            if row_valid:
+                self._sum_slots(rH, rT, base, slot_elems, Int64(i) * hidden,
+                                self._row_addr(mX, row), rank, lane)
                 if const_expr(self.gather_acc):
                     rA.store(rH.load())
                 if const_expr(self.has_residual):
                     self._load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
                     rH.store((rH.load() + rR.load().to(Float32)).to(dtype).to(Float32))
+                else:
+                    rH.store(rH.load().to(dtype).to(Float32))  # h = T(acc)
                 for s in cutlass.range_constexpr(self.world):
-                    peer = mBuf[s]
-                    self._store_row(rH, self._row_view(peer, gather_h + Int64(row) * hidden, dtype),
-                                    lane, dtype)
-                    if const_expr(self.gather_acc):
-                        self._store_row(rA, self._row_view(peer, gather_a + Int64(row) * hidden,
+                    if Int32(s) != rank:
+                        peer = mBuf[s]
+                        self._store_row(rH, self._row_view(peer, gather_h + Int64(row) * hidden,
                                                            dtype), lane, dtype)
+                        if const_expr(self.gather_acc):
+                            self._store_row(rA, self._row_view(peer, gather_a + Int64(row) * hidden,
+                                                               dtype), lane, dtype)
+                if const_expr(self.has_residual):
+                    self._store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype)
+                if const_expr(self.write_allreduce):
+                    src = rH
+                    if const_expr(self.gather_acc):
+                        src = rA
+                    self._store_row(src, cute.zipped_divide(mAR[row, None], (VEC,)), lane, dtype)
+            self.core.epilogue(rH, row, row_valid, (i < slice_rows) & (row < rows), lane,
+                               row_in_cta, Int32(0), eps, mW, mY, mQ, mS, static_inv,
+                               global_scale, bufs, rW)
+            cute.arch.barrier()  # shared-memory partials are reused by the next row
         self._barrier(mSig, rank, bidx, timeout_ns, mErr)
 
-        # phase 3: every rank: full rows of gathered h -> residual_out, allreduce_out, epilogue
+        # phase 3: the other ranks' slices: full rows of gathered h -> residual_out, allreduce_out,
+        # epilogue
         for g in range(bidx, groups, nblk):
             i = g * t.rows_per_cta + row_in_cta
             for s in cutlass.range_constexpr(self.world):
-                row = s * slice_rows + i
-                row_valid = (i < slice_rows) & (row < m)
-                rH.fill(0.0)
-                if row_valid:
-                    self._load_row(rT, self._row_view(base, gather_h + Int64(row) * hidden, dtype),
-                                   lane)
-                    rH.store(rT.load().to(Float32))
-                    if const_expr(self.has_residual):
-                        self._store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane,
-                                        dtype)
-                    if const_expr(self.write_allreduce):
-                        if const_expr(self.gather_acc):
-                            self._load_row(rT, self._row_view(base, gather_a + Int64(row) * hidden,
-                                                              dtype), lane)
-                        self._store_row(rT, cute.zipped_divide(mAR[row, None], (VEC,)), lane,
-                                        dtype)
-                self.core.epilogue(rH, row, row_valid, (i < slice_rows) & (row < rows), lane,
-                                   row_in_cta, Int32(0), eps, mW, mY, mQ, mS, static_inv,
-                                   global_scale, bufs)
-                cute.arch.barrier()  # shared-memory partials are reused by the next row
+                if Int32(s) != rank:  # uniform over the CTA: the epilogue's barriers stay matched
+                    row = s * slice_rows + i
+                    row_valid = (i < slice_rows) & (row < m)
+                    rH.fill(0.0)
+                    if row_valid:
+                        self._load_row(rT, self._row_view(base, gather_h + Int64(row) * hidden,
+                                                          dtype), lane)
+                        rH.store(rT.load().to(Float32))
+                        if const_expr(self.has_residual):
+                            self._store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane,
+                                            dtype)
+                        if const_expr(self.write_allreduce):
+                            if const_expr(self.gather_acc):
+                                self._load_row(rT, self._row_view(
+                                    base, gather_a + Int64(row) * hidden, dtype), lane)
+                            self._store_row(rT, cute.zipped_divide(mAR[row, None], (VEC,)), lane,
+                                            dtype)
+                    self.core.epilogue(rH, row, row_valid, (i < slice_rows) & (row < rows), lane,
+                                       row_in_cta, Int32(0), eps, mW, mY, mQ, mS, static_inv,
+                                       global_scale, bufs, rW)
+                    cute.arch.barrier()  # shared-memory partials are reused by the next row
         self._barrier(mSig, rank, bidx, timeout_ns, mErr)
 
     # ---- lamport one-shot ------------------------------------------------------------------------
@@ -298,10 +363,12 @@ class AllReduceAddRMSNormQuant:
     # Area index k (0, 1, 2) of a call, the rows each area last held, and an arrival counter live in
     # this rank's signal pad (lamport.REGION), never in kernel arguments, so CUDA-graph replays and
     # back-to-back launches continue from the stored state. The grid changes with M, so a per-CTA
-    # counter would drift between CTA indices; instead every CTA reads k at its start (all threads,
-    # then bar.sync), thread 0 arrives on the counter (atom.acq_rel.gpu), and the LAST CTA to arrive
-    # -- after every CTA of this launch has read k -- resets the counter, records this call's rows
-    # for area k and advances k. The next launch on the stream reads them after this one ended.
+    # counter would drift between CTA indices; instead every thread reads k at its start, and after
+    # its pushes (bar.sync: all threads of the CTA have read k) thread 0 arrives on the counter
+    # (atom.acq_rel.gpu); the LAST CTA to arrive -- after every CTA of this launch has read k --
+    # resets the counter, records this call's vectors per slot for area k and advances k. The rows
+    # word of the previous area, read later, is not written by this launch. The next launch on the
+    # stream reads the state after this one ended.
     # Every rank runs the same sequence of lamport calls (same M), so k agrees across ranks.
     #
     # NOTE [lamport clearing]
@@ -321,8 +388,9 @@ class AllReduceAddRMSNormQuant:
     # So a peer is at most one call ahead of us (it cannot finish call c + 1 before reading our
     # call-(c + 1) rows): while we run call c, peers write only areas c and c + 1 of ours, never
     # c + 2 = c - 1, the one being refilled. Requirements: kernels of one rank run in stream order
-    # (one stream per workspace, no programmatic dependent launch) and a call never writes more than
-    # one area (max_chunk_rows("lamport")). oneshot / twoshot do not touch the lamport areas.
+    # (one stream per workspace; with programmatic dependent launch the kernel waits for its
+    # predecessor before its first memory access, NOTE [programmatic dependent launch]) and a call
+    # never writes more than one area (max_chunk_rows("lamport")). oneshot / twoshot do not touch the lamport areas.
     @cute.jit
     def _lamport(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
                  rank: Int32, eps: Float32, timeout_ns: Int64, rows: Int32, groups: Int32):
@@ -339,17 +407,55 @@ class AllReduceAddRMSNormQuant:
         slot_bytes = Int64(m) * hidden * Int64(2)  # one slot: this call's M rows of T
         nv = t.vecs_per_thread
 
+        smem = cutlass.utils.SmemAllocator()
+        bufs = self.core.allocate_smem(smem)
+        rT = self.core.zeros(dtype)
+        rR = self.core.zeros(dtype)
+        rH = self.core.zeros(Float32)
+        rAll = cute.make_rmem_tensor(cute.make_layout(world * nv * 4), Int32)  # N slots' words
+        rAll.fill(0)
+        rTw = cute.recast_tensor(rT, Int32)
+        rAllT = cute.recast_tensor(rAll, dtype)
+
+        # the first row's load is issued before the state loads (their inline asm orders memory
+        # accesses): at one row per CTA the two latencies overlap instead of adding up
+        row0 = bidx * t.rows_per_cta + row_in_cta
+        if row0 < m:
+            self._load_row(rT, cute.zipped_divide(mX[row0, None], (VEC,)), lane)
+
         # call state (NOTE [lamport call state])
         state = mSig[rank] + Int64((lamport.REGION * BARRIER_REGION_WORDS) * 4)
         area_addr = state + Int64(lamport.W_AREA * 4)
         arrive_addr = state + Int64(lamport.W_ARRIVE * 4)
         rows_addr = state + Int64(lamport.W_ROWS * 4)
         k = ld_volatile_sys_u32(area_addr)
-        prev = k + Int32(2)
-        if prev >= Int32(3):
-            prev = prev - Int32(3)
-        vecs_prev = ld_volatile_sys_u32(rows_addr + Int64(prev) * Int64(4))
-        cute.arch.barrier()  # every thread of this CTA has read k (and vecs_prev)
+        static_inv, global_scale = self.core.load_scalars(mScale, mGS)
+        rW = self.core.load_weight(mW, lane, Int32(0))
+        kw = k * Int32(world)
+
+        # phase 1: push my rows (sanitized, NOTE [lamport sentinel]) into area k, slot `rank`, of
+        # every other rank with 128-bit volatile stores. My own slot is never written (it stays
+        # sentinel): phase 2 takes my rows from x.
+        for g in range(bidx, groups, nblk):
+            row = g * t.rows_per_cta + row_in_cta
+            if row < m:
+                if g != bidx:  # the first row is already loaded
+                    self._load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
+                for i in cutlass.range_constexpr(nv * 4):
+                    rTw[i] = lamport.sanitize_word(rTw[i])
+                off = slot_bytes * Int64(rank) + Int64(row) * hidden * Int64(2)
+                for s in cutlass.range_constexpr(world):
+                    if Int32(s) != rank:
+                        dst = mBuf[kw + Int32(s)] + off
+                        for j in cutlass.range_constexpr(nv):
+                            v = lane + j * t.threads_per_row
+                            if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                                st_volatile_sys_v4_u32(dst + Int64(v) * Int64(16), rTw[4 * j],
+                                                       rTw[4 * j + 1], rTw[4 * j + 2],
+                                                       rTw[4 * j + 3])
+
+        # arrive after the pushes are issued, so the atomic is off their critical path
+        cute.arch.barrier()  # every thread of this CTA has read k
         if tidx == 0:
             old = lamport.atom_add_acq_rel_gpu_u32(arrive_addr, Int32(1))
             if old == Int32(nblk) - Int32(1):  # the last CTA of this launch
@@ -360,53 +466,35 @@ class AllReduceAddRMSNormQuant:
                 st_volatile_u32(rows_addr + Int64(k) * Int64(4), m * Int32(t.hidden // VEC))
                 st_volatile_u32(area_addr, nxt)
 
-        smem = cutlass.utils.SmemAllocator()
-        bufs = self.core.allocate_smem(smem)
-        rT = self.core.zeros(dtype)
-        rR = self.core.zeros(dtype)
-        rH = self.core.zeros(Float32)
-        rAll = cute.make_rmem_tensor(cute.make_layout(world * nv * 4), Int32)  # N slots' words
-        rAll.fill(0)
-        rTw = cute.recast_tensor(rT, Int32)
-        rAllT = cute.recast_tensor(rAll, dtype)
-        static_inv, global_scale = self.core.load_scalars(mScale, mGS)
-        kw = k * Int32(world)
-
-        # phase 1: push my rows (sanitized, NOTE [lamport sentinel]) into area k, slot `rank`, of
-        # every rank with 128-bit volatile stores
-        for g in range(bidx, groups, nblk):
-            row = g * t.rows_per_cta + row_in_cta
-            if row < m:
-                self._load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
-                for i in cutlass.range_constexpr(nv * 4):
-                    rTw[i] = lamport.sanitize_word(rTw[i])
-                off = slot_bytes * Int64(rank) + Int64(row) * hidden * Int64(2)
-                for s in cutlass.range_constexpr(world):
-                    dst = mBuf[kw + Int32(s)] + off
-                    for j in cutlass.range_constexpr(nv):
-                        v = lane + j * t.threads_per_row
-                        if const_expr(t.exact) or v < t.vecs_per_cta_row:
-                            st_volatile_sys_v4_u32(dst + Int64(v) * Int64(16), rTw[4 * j],
-                                                   rTw[4 * j + 1], rTw[4 * j + 2], rTw[4 * j + 3])
-
-        # refill my area of the previous call with the sentinel (NOTE [lamport clearing]);
-        # 16-byte vectors, grid-stride over the whole launch
+        # refill the peers' slots of my area of the previous call with the sentinel (NOTE [lamport
+        # clearing]); 16-byte vectors, grid-stride over the whole launch. vecs_prev: the previous
+        # call's vectors per slot (its M and H may differ from ours)
+        prev = k + Int32(2)
+        if prev >= Int32(3):
+            prev = prev - Int32(3)
+        vecs_prev = ld_volatile_sys_u32(rows_addr + Int64(prev) * Int64(4))
         clear_base = mBuf[prev * Int32(world) + rank]
-        n_clear = Int32(world) * vecs_prev  # 16-byte vectors: the previous call's H may differ from ours
         sent = Int32(lamport.SENTINEL_I32)
-        for i in range(bidx * Int32(t.threads) + tidx, n_clear, nblk * Int32(t.threads)):
-            st_volatile_sys_v4_u32(clear_base + Int64(i) * Int64(16), sent, sent, sent, sent)
+        for s in cutlass.range_constexpr(world):
+            if Int32(s) != rank:
+                slot_base = clear_base + Int64(s) * Int64(vecs_prev) * Int64(16)
+                for i in range(bidx * Int32(t.threads) + tidx, vecs_prev, nblk * Int32(t.threads)):
+                    st_volatile_sys_v4_u32(slot_base + Int64(i) * Int64(16), sent, sent, sent, sent)
 
-        # phase 2: poll my area k until every word of the N slots of my rows arrived, ordered
-        # float32 sum, residual add, epilogue
+        # phase 2: poll my area k until every word of the other slots of my rows arrived, ordered
+        # float32 sum (my slot read from x), residual add, epilogue
         base = mBuf[kw + rank]
         err_addr = mErr.iterator.toint()
+        dev_err_addr = mSig[rank] + Int64(DEVICE_ERROR_WORD * 4)
         for g in range(bidx, groups, nblk):
             row = g * t.rows_per_cta + row_in_cta
             row_valid = row < m
             rH.fill(0.0)
             if row_valid:
+                if const_expr(self.has_residual):  # issued before the polls: off the critical path
+                    self._load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
                 row_off = base + Int64(row) * hidden * Int64(2)
+                own = self._row_addr(mX, row)
                 pending = Int32(1)
                 missing = Int32(0)
                 spins = Int32(0)
@@ -415,6 +503,10 @@ class AllReduceAddRMSNormQuant:
                     pending = Int32(0)
                     for s in cutlass.range_constexpr(world):
                         src = row_off + slot_bytes * Int64(s)
+                        peer = Int32(1)
+                        if Int32(s) == rank:  # x itself: any bits, never waited for
+                            src = own
+                            peer = Int32(0)
                         pend_s = Int32(0)
                         for j in cutlass.range_constexpr(nv):
                             v = lane + j * t.threads_per_row
@@ -427,13 +519,14 @@ class AllReduceAddRMSNormQuant:
                                 rAll[w0 + 3] = d
                                 pend_s = pend_s | Int32(a == Int32(-1)) | Int32(b == Int32(-1))
                                 pend_s = pend_s | Int32(c == Int32(-1)) | Int32(d == Int32(-1))
+                        pend_s = pend_s & peer
                         if pend_s != Int32(0):
                             missing = Int32(s)
                         pending = pending | pend_s
                     if pending != Int32(0):
                         spins = spins + Int32(1)
                         if (spins & Int32(_SPIN_CHECK_MASK)) == Int32(0):
-                            if ld_volatile_sys_u32(err_addr) != Int32(0):
+                            if ld_volatile_sys_u32(dev_err_addr) != Int32(0):
                                 pending = Int32(0)  # someone already timed out: stop too
                             else:
                                 if globaltimer_ns() - t0 > timeout_ns:
@@ -441,6 +534,7 @@ class AllReduceAddRMSNormQuant:
                                                           Int32(ERR_TIMEOUT)) == Int32(0):
                                         st_volatile_u32(err_addr + Int64(4), missing)
                                         st_volatile_u32(err_addr + Int64(8), k)
+                                    st_volatile_u32(dev_err_addr, Int32(ERR_TIMEOUT))
                                     pending = Int32(0)
                 rH.store(cute.make_tensor(rAllT.iterator, cute.make_layout(nv * VEC)).load()
                          .to(Float32))
@@ -450,12 +544,11 @@ class AllReduceAddRMSNormQuant:
                 if const_expr(self.write_allreduce):
                     self._store_row(rH, cute.zipped_divide(mAR[row, None], (VEC,)), lane, dtype)
                 if const_expr(self.has_residual):
-                    self._load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
                     rH.store((rH.load() + rR.load().to(Float32)).to(dtype).to(Float32))
                     self._store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype)
                 else:
                     rH.store(rH.load().to(dtype).to(Float32))  # h = T(acc)
             self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, Int32(0), eps, mW,
-                               mY, mQ, mS, static_inv, global_scale, bufs)
+                               mY, mQ, mS, static_inv, global_scale, bufs, rW)
             cute.arch.barrier()  # the next group's reductions reuse the shared-memory partials
         # no closing barrier: the three rotating areas make the next call safe (NOTE above)

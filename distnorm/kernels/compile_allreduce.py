@@ -1,8 +1,8 @@
 """Compile the all-reduce kernels once per compile-time key (fake tensors, TVM-FFI, symbolic M).
 
-Key: (algo, world, dtype, H, quant, residual, gemma, write_y, write_allreduce). Rows, rank, grid
-size, eps, timeout and the peer-pointer tables are run-time arguments: a new token count, a new
-workspace or a new rank never recompiles.
+Key: (algo, world, dtype, H, quant, residual, gemma, write_y, write_allreduce, pdl, rows_per_cta).
+Rows, rank, grid size, eps, timeout and the peer-pointer tables are run-time arguments: a new token
+count, a new workspace or a new rank never recompiles.
 
 Call the result as
     f(x, res, res_out, w, y, q, scales, scale, gs, ar_out, buffer_ptrs, signal_ptrs, err,
@@ -14,6 +14,7 @@ rank s's area k), and the data buffer must have been prepared with lamport.reset
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -23,7 +24,7 @@ from cutlass import Float32, Int32, Int64
 from distnorm.kernels import compat
 from distnorm.kernels.allreduce import AllReduceAddRMSNormQuant
 from distnorm.kernels.compile import CUTE_DTYPES, fake_norm_quant_args, fake_rows
-from distnorm.kernels.norm_quant import QuantParams, choose_tiling
+from distnorm.kernels.norm_quant import QuantParams, RowTiling, choose_tiling
 
 
 def buffer_elems(algo: str, world: int, m: int, hidden: int, swizzled: bool,
@@ -36,14 +37,30 @@ def buffer_elems(algo: str, world: int, m: int, hidden: int, swizzled: bool,
     return world * s * hidden * (2 + (1 if gather_acc else 0))
 
 
+def allreduce_tiling(hidden: int, quant: QuantParams, rows_per_cta: int = 0) -> RowTiling:
+    """Thread layout of the all-reduce kernels: choose_tiling's, with rows_per_cta overridden when
+    given (> 0)."""
+    t = choose_tiling(hidden, 1, quant.block)
+    if rows_per_cta > 0:
+        t = dataclasses.replace(t, rows_per_cta=rows_per_cta)
+    return t
+
+
+def co_resident_ctas_per_sm(tiling: RowTiling) -> int:
+    """CTAs per SM that are resident together whatever the kernel's register count: 256 threads of
+    255 registers fill one SM's 64K registers; shared memory is a few hundred bytes. The barrier
+    kernels need every CTA of the grid resident at once (kernels/allreduce.py)."""
+    return max(1, 256 // tiling.threads)
+
+
 @functools.cache
 def compiled_allreduce(algo: str, world: int, dtype: str, hidden: int, quant: QuantParams,
                        has_residual: bool, gemma: bool, write_y: bool,
-                       write_allreduce: bool) -> Callable:
+                       write_allreduce: bool, pdl: bool = False, rows_per_cta: int = 0) -> Callable:
     cdtype = CUTE_DTYPES[dtype]
-    tiling = choose_tiling(hidden, 1, quant.block)
+    tiling = allreduce_tiling(hidden, quant, rows_per_cta)
     kernel = AllReduceAddRMSNormQuant(algo, world, tiling, quant, has_residual, gemma, write_y,
-                                      write_allreduce)
+                                      write_allreduce, pdl)
     m = compat.sym_int(32)
     x, res, res_out, w, y, q, s, scale, gs = fake_norm_quant_args(cdtype, hidden, quant, has_residual,
                                                                   write_y, m)

@@ -261,10 +261,24 @@ class NormQuantCore:
 
     # ---- the epilogue --------------------------------------------------------------------------
     @cute.jit
+    def load_weight(self, mW, lane: Int32, cta_rank: Int32):
+        """This thread's vectors of the weight [H] as a register fragment of its dtype."""
+        t = self.t
+        rW = self.zeros(mW.element_type)
+        tW = cute.zipped_divide(mW, (VEC,))
+        for j in cutlass.range_constexpr(t.vecs_per_thread):
+            v = lane + j * t.threads_per_row
+            if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                self._slice(rW, j).store(tW[(None, cta_rank * t.vecs_per_cta_row + v)].load())
+        return rW
+
+    @cute.jit
     def epilogue(self, rH, row: Int32, row_valid, scale_valid, lane: Int32, row_in_cta: Int32,
                  cta_rank: Int32, eps: Float32, mW, mY, mQ, mS, static_inv: Float32,
-                 global_scale: Float32, bufs):
+                 global_scale: Float32, bufs, rW=None):
         """rH: float32 register fragment [vecs_per_thread * 8] of h for this thread's vectors.
+        rW: this thread's weight vectors (load_weight), when the caller loaded them early; else
+        they are loaded here.
 
         Writes T(y) to mY (when write_y), q to mQ (int32 words) and scales to mS. Threads of padded
         rows (row_valid False, scale_valid True: swizzled-scale padding) compute on zeros and store
@@ -274,13 +288,9 @@ class NormQuantCore:
         t = self.t
         nv = t.vecs_per_thread
         vbase = cta_rank * t.vecs_per_cta_row
-        # the weight load is issued before the reduction so its latency hides behind it (matters at M=1)
-        rW = self.zeros(mW.element_type)
-        tW = cute.zipped_divide(mW, (VEC,))
-        for j in cutlass.range_constexpr(nv):
-            v = lane + j * t.threads_per_row
-            if const_expr(t.exact) or v < t.vecs_per_cta_row:
-                self._slice(rW, j).store(tW[(None, vbase + v)].load())
+        if const_expr(rW is None):
+            # issued before the reduction so its latency hides behind it (matters at M=1)
+            rW = self.load_weight(mW, lane, cta_rank)
         # sum of squares (tail vectors of a ragged row hold zeros)
         ss = Float32(0.0)
         for i in cutlass.range_constexpr(nv * VEC):

@@ -47,6 +47,7 @@ from cutlass import Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from distnorm.comm.errors import DEVICE_ERROR_WORD
 from distnorm.kernels.ptx import inline_asm
 
 __all__ = [
@@ -65,12 +66,15 @@ BARRIER_REGION_WORDS = MAX_CTAS + MAX_CTAS * MAX_WORLD  # 9216 words = 36 KiB
 
 #: region indices (one per algorithm / kernel; append new ones, never reuse)
 REGION_BARRIER_TEST = 0
+# regions 1-3: kernels/allreduce.py (one-shot, two-shot barriers; lamport state)
+REGION_DEVICE_ERROR = 4  # word 0: the device-side error word (comm/errors.py DEVICE_ERROR_WORD)
+assert REGION_DEVICE_ERROR * BARRIER_REGION_WORDS == DEVICE_ERROR_WORD
 
 DEFAULT_TIMEOUT_S = 10.0
 TIMEOUT_ENV = "DISTNORM_BARRIER_TIMEOUT_S"
 ERR_TIMEOUT = 1  # == distnorm.comm.errors.ERROR_TIMEOUT
 
-_SPIN_CHECK_MASK = 255  # look at %globaltimer and the error word every 256 polls
+_SPIN_CHECK_MASK = 255  # look at %globaltimer and the device error word every 256 polls
 
 
 def region_word(index: int) -> int:
@@ -92,7 +96,8 @@ def timeout_ns(timeout_s: float | None = None) -> int:
 def check_region(ws, region_word_: int, ctas: int | None = None) -> None:
     """Raise if barrier region at ``region_word_`` does not fit ``ws``'s signal pad or the group/grid
     exceeds MAX_WORLD / MAX_CTAS."""
-    end = (region_word_ + BARRIER_REGION_WORDS) * 4
+    # the device error word (REGION_DEVICE_ERROR) must fit too: every waiting kernel reads it
+    end = max(region_word_ + BARRIER_REGION_WORDS, DEVICE_ERROR_WORD + 1) * 4
     if end > ws.signal_bytes:
         raise ValueError(f"barrier region at word {region_word_} needs a signal pad of >= {end} bytes, "
                          f"workspace has {ws.signal_bytes}")
@@ -267,6 +272,7 @@ def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[
         st_release_sys_u32(peer_base + (flags_word + Int64(rank)) * Int64(4), epoch)
         flag_addr = local_base + (flags_word + Int64(tidx)) * Int64(4)
         err_addr = err.iterator.toint()
+        dev_err_addr = local_base + Int64(DEVICE_ERROR_WORD * 4)
         v = ld_acquire_sys_u32(flag_addr)
         waiting = Int32(0)  # Int32 flag, not bool: loop-carried values keep one DSL type
         if (v - epoch) < Int32(0):
@@ -280,13 +286,14 @@ def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[
             spins = spins + Int32(1)
             if (spins & Int32(_SPIN_CHECK_MASK)) == Int32(0):
                 if waiting != Int32(0):
-                    if ld_volatile_sys_u32(err_addr) != Int32(0):
+                    if ld_volatile_sys_u32(dev_err_addr) != Int32(0):
                         waiting = Int32(0)  # another thread / CTA already timed out: stop too
                     else:
                         if globaltimer_ns() - t0 > timeout_ns:
                             if atomic_cas_sys_u32(err_addr, Int32(0), Int32(ERR_TIMEOUT)) == Int32(0):
                                 st_volatile_u32(err_addr + Int64(4), tidx)
                                 st_volatile_u32(err_addr + Int64(8), epoch)
+                            st_volatile_u32(dev_err_addr, Int32(ERR_TIMEOUT))
                             waiting = Int32(0)
         st_relaxed_sys_u32(epoch_addr, epoch)
     cute.arch.barrier()

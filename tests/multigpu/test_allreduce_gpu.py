@@ -335,6 +335,66 @@ def _body_lamport_changing_hidden() -> None:
         ws.barrier()
 
 
+def _body_dependent_chain() -> None:
+    """Calls that consume the previous call's outputs (its norm output as the next x, its
+    residual_out as the next residual), back to back with algorithms mixed, eagerly and replayed
+    from a CUDA graph, at 1..16 tokens (where early completion signalling under programmatic
+    dependent launch produced NaNs elsewhere). Each step is checked against the reference computed
+    from the inputs it actually had; every output is poisoned before the run."""
+    from distnorm.allreduce_ops import allreduce_add_rmsnorm
+    from distnorm.comm import Workspace
+    from distnorm.reference import allreduce_add_rmsnorm_ref
+    from quant_check import poison_like
+
+    boot = _boot()
+    H = 4096
+    algos = ("lamport", "lamport", "oneshot", "twoshot", "lamport", "auto")
+    with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
+        kw, spec = _kwargs("fp8")
+
+        def chain(x0, res0, w, outs):
+            x, res = x0, res0
+            results = []
+            for algo, o in zip(algos, outs):
+                out = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, algo=algo,
+                                            norm_out=True, **kw, **o)
+                results.append((x, res, out))
+                x, res = out.y, out.residual
+            return results
+
+        def check_chain(results, w, tag):
+            from quant_check import assert_quant_close, assert_y_close
+            ws.raise_if_failed()
+            for k, (x, res, out) in enumerate(results):
+                ref = allreduce_add_rmsnorm_ref(_all_gather(x), res, w, 1e-6, norm_out=True, **kw)
+                assert not torch.isnan(out.y.float()).any(), f"{tag} step {k}: NaN in y"
+                assert torch.equal(out.residual.view(torch.int16), ref.residual.view(torch.int16)), \
+                    f"{tag} step {k}: residual differs"
+                assert_y_close(out.y, ref.y)
+                assert_quant_close(out.q, out.scales, ref, spec, x.shape[0], H, scale=kw["scale"])
+
+        for M in (1, 3, 8, 16):
+            x0, res0, w = _inputs(M, H, ws.rank, 3100 + M)
+            outs = [_poisoned_outs(spec, M, H, x0.dtype) for _ in algos]
+            results = chain(x0, res0, w, outs)
+            torch.cuda.synchronize()
+            _gathered_check(boot, check_chain, results, w, f"eager M={M}")
+            for o in outs:  # poison again; the graph must rewrite everything
+                for t in o.values():
+                    poison_like(t)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                results = chain(x0, res0, w, outs)
+            for i in range(3):
+                xi, _, _ = _inputs(M, H, ws.rank, 3200 + 10 * M + i)
+                x0.copy_(xi)
+                g.replay()
+                torch.cuda.synchronize()
+                _gathered_check(boot, check_chain, results, w, f"graph M={M} replay {i}")
+            del g
+        ws.barrier()
+
+
 # --- tests ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("algo", ALGOS)
 def test_allreduce_add_rmsnorm_grid(algo):
@@ -360,3 +420,7 @@ def test_lamport_sentinel_like_data():
 
 def test_lamport_changing_hidden():
     run_distributed(_body_lamport_changing_hidden, timeout_s=TIMEOUT_S)
+
+
+def test_dependent_chain_pdl():
+    run_distributed(_body_dependent_chain, timeout_s=TIMEOUT_S)

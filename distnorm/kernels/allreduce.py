@@ -170,6 +170,26 @@ class AllReduceAddRMSNormQuant:
         """Byte address of row `row` of a [M, H] tensor."""
         return mT[row, None].iterator.toint()
 
+    def _indices(self):
+        """(thread, CTA, grid size, row of this thread among the CTA's rows, lane in its row)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        nblk, _, _ = cute.arch.grid_dim()
+        return tidx, bidx, nblk, tidx // self.t.threads_per_row, tidx % self.t.threads_per_row
+
+    def _fragments(self, dtype, mW, mScale, mGS, lane):
+        """What every algorithm starts with: the epilogue's shared-memory partials, zeroed register
+        fragments for a row of T (rT), the residual (rR) and float32 h (rH), the quantization
+        scalars and this thread's weight vectors (loaded here, early: their latency hides behind
+        the exchange)."""
+        bufs = self.core.allocate_smem(cutlass.utils.SmemAllocator())
+        rT = self.core.zeros(dtype)
+        rR = self.core.zeros(dtype)
+        rH = self.core.zeros(Float32)
+        static_inv, global_scale = self.core.load_scalars(mScale, mGS)
+        rW = self.core.load_weight(mW, lane, Int32(0))
+        return bufs, rT, rR, rH, static_inv, global_scale, rW
+
     @cute.jit
     def _barrier(self, mSig, rank: Int32, bidx: Int32, timeout_ns: Int64, mErr):
         cta_barrier(mSig, rank, self.world, self.region_word, bidx, timeout_ns, mErr)
@@ -198,22 +218,13 @@ class AllReduceAddRMSNormQuant:
                  rank: Int32, eps: Float32, timeout_ns: Int64, rows: Int32, groups: Int32):
         t = self.t
         dtype = mX.element_type
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        nblk, _, _ = cute.arch.grid_dim()
-        row_in_cta = tidx // t.threads_per_row
-        lane = tidx % t.threads_per_row
+        _, bidx, nblk, row_in_cta, lane = self._indices()
         m = mX.shape[0]
         hidden = Int64(t.hidden)
         slot_elems = Int64(m) * hidden  # one slot: this call's M rows
 
-        smem = cutlass.utils.SmemAllocator()
-        bufs = self.core.allocate_smem(smem)
-        rT = self.core.zeros(dtype)
-        rR = self.core.zeros(dtype)
-        rH = self.core.zeros(Float32)
-        static_inv, global_scale = self.core.load_scalars(mScale, mGS)
-        rW = self.core.load_weight(mW, lane, Int32(0))
+        bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
+                                                                         lane)
 
         # phase 1: push my rows into slot `rank` of every other rank's buffer (phase 2 reads my own
         # rows from x: nobody else reads my slot)
@@ -257,11 +268,7 @@ class AllReduceAddRMSNormQuant:
                  groups: Int32):
         t = self.t
         dtype = mX.element_type
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        nblk, _, _ = cute.arch.grid_dim()
-        row_in_cta = tidx // t.threads_per_row
-        lane = tidx % t.threads_per_row
+        _, bidx, nblk, row_in_cta, lane = self._indices()
         m = mX.shape[0]
         hidden = Int64(t.hidden)
         sl = Int64(slice_rows)
@@ -269,14 +276,9 @@ class AllReduceAddRMSNormQuant:
         gather_h = slot_elems * self.world             # gather area of h: N*S rows
         gather_a = gather_h + slot_elems * self.world  # gather area of T(acc) (when asked)
 
-        smem = cutlass.utils.SmemAllocator()
-        bufs = self.core.allocate_smem(smem)
-        rT = self.core.zeros(dtype)
-        rR = self.core.zeros(dtype)
-        rH = self.core.zeros(Float32)
+        bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
+                                                                         lane)
         rA = self.core.zeros(Float32)
-        static_inv, global_scale = self.core.load_scalars(mScale, mGS)
-        rW = self.core.load_weight(mW, lane, Int32(0))
 
         # phase 1 (reduce-scatter push): row i of slice s -> rank s, slot `rank`, row i; my own
         # slice stays in x (phase 2 reads it there)
@@ -397,21 +399,14 @@ class AllReduceAddRMSNormQuant:
         t = self.t
         world = self.world
         dtype = mX.element_type
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        nblk, _, _ = cute.arch.grid_dim()
-        row_in_cta = tidx // t.threads_per_row
-        lane = tidx % t.threads_per_row
+        tidx, bidx, nblk, row_in_cta, lane = self._indices()
         m = mX.shape[0]
         hidden = Int64(t.hidden)
         slot_bytes = Int64(m) * hidden * Int64(2)  # one slot: this call's M rows of T
         nv = t.vecs_per_thread
 
-        smem = cutlass.utils.SmemAllocator()
-        bufs = self.core.allocate_smem(smem)
-        rT = self.core.zeros(dtype)
-        rR = self.core.zeros(dtype)
-        rH = self.core.zeros(Float32)
+        bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
+                                                                         lane)
         rAll = cute.make_rmem_tensor(cute.make_layout(world * nv * 4), Int32)  # N slots' words
         rAll.fill(0)
         rTw = cute.recast_tensor(rT, Int32)
@@ -429,8 +424,6 @@ class AllReduceAddRMSNormQuant:
         arrive_addr = state + Int64(lamport.W_ARRIVE * 4)
         rows_addr = state + Int64(lamport.W_ROWS * 4)
         k = ld_volatile_sys_u32(area_addr)
-        static_inv, global_scale = self.core.load_scalars(mScale, mGS)
-        rW = self.core.load_weight(mW, lane, Int32(0))
         kw = k * Int32(world)
 
         # phase 1: push my rows (sanitized, NOTE [lamport sentinel]) into area k, slot `rank`, of

@@ -249,9 +249,10 @@ def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[
     (it cannot pass epoch e+1 without our flag for e+1), so flags only ever hold epoch or epoch+1
     and the signed 32-bit difference test survives wrap-around of the counter.
 
-    On timeout the thread records the error (if err[0] was 0) and stops waiting; other waiters see
-    err[0] != 0 at their next timer check and stop too, so a dead peer costs ~timeout_ns once, not
-    per barrier. After a timeout the ranks' epochs are out of step: call
+    On timeout the thread records the error (if err[0] was 0) and sets this rank's device error word
+    (comm/errors.py DEVICE_ERROR_WORD); other waiters poll that word (never the pinned err, which is
+    slow to read from the GPU) at their next timer check and stop too, so a dead peer costs
+    ~timeout_ns once, not per barrier. After a timeout the ranks' epochs are out of step: call
     ``reset_barrier_region`` on every rank (or re-create the workspace) before reusing the region.
     """
     tidx, _, _ = cute.arch.thread_idx()

@@ -288,7 +288,7 @@ def run_allreduce_kernel(x, residual, weight, eps, spec, scale, global_scale, ge
 
 # ---- fallback (no peer mappings) and CPU -----------------------------------------------------------
 
-def _gathered_sum(x: Tensor, group) -> Tensor:
+def gathered_sum(x: Tensor, group) -> Tensor:
     """Ordered float32 sum of every rank's x (all-gather, then acc = x0 + x1 + ...): bitwise the
     reference on every rank."""
     import torch.distributed as dist
@@ -318,7 +318,7 @@ def run_fallback(x, residual, weight, eps, spec, scale, global_scale, gemma, res
                     "kernel (%s)", reason)
     if x.shape[0] == 0:
         return
-    acc = _gathered_sum(x, group)
+    acc = gathered_sum(x, group)
     if ar_out is not None:
         ar_out.copy_(acc.to(x.dtype))
     if not x.is_cuda:

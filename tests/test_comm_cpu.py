@@ -15,6 +15,7 @@ import torch
 from distnorm.comm import (BackendUnavailable, Bootstrap, CommTimeoutError, MPIBootstrap,
                            TorchBootstrap, Workspace, agree, exchange_fds, resolve_bootstrap)
 from distnorm.comm._views import live_view_count, tensor_from_ptr
+from distnorm.comm.bootstrap import agreed
 from distnorm.launch import get_or_create_group, spawn
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
@@ -287,6 +288,22 @@ def test_agree_reports_every_failed_rank():
 
     with pytest.raises(BackendUnavailable, match=r"vmm map failed \(rank 0: mine; rank 1: boom\)"):
         agree(Fake(), "mine", "vmm map")
+
+    # the context-manager form: an Exception in the block is reported the same way, on every rank
+    with pytest.raises(BackendUnavailable, match=r"vmm map failed \(rank 0: OSError: mine; rank 1: boom\)"):
+        with agreed(Fake(), "vmm map"):
+            raise OSError("mine")
+
+    class AllFine(Fake):
+        def all_gather_object(self, obj):
+            return [obj, None, None]
+
+    with agreed(AllFine(), "step"):  # nothing raised anywhere: the block's results stand
+        value = 1
+    assert value == 1
+    with pytest.raises(KeyboardInterrupt):  # not an Exception: propagates at once
+        with agreed(AllFine(), "step"):
+            raise KeyboardInterrupt
 
 
 # --- views, error flag, driver error formatting -------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 
 from distnorm.comm.errors import BackendUnavailable
 
-__all__ = ["Bootstrap", "TorchBootstrap", "MPIBootstrap", "resolve_bootstrap", "agree"]
+__all__ = ["Bootstrap", "TorchBootstrap", "MPIBootstrap", "resolve_bootstrap", "agree", "agreed"]
 
 
 class Bootstrap(abc.ABC):
@@ -149,3 +149,24 @@ def agree(boot: Bootstrap, error: str | None, what: str) -> None:
     if failed:
         detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
         raise BackendUnavailable(f"{what} failed ({detail})")
+
+
+class agreed:
+    """``with agreed(boot, what): ...`` -- run a setup step on every rank, then ``agree`` on it.
+
+    An Exception raised in the block is not raised on its own: every rank leaves the block, and
+    then every rank raises BackendUnavailable naming each failed rank's error (so no rank goes on
+    to the next collective step alone). Other BaseExceptions propagate at once.
+    """
+
+    def __init__(self, boot: Bootstrap, what: str) -> None:
+        self.boot, self.what = boot, what
+
+    def __enter__(self) -> "agreed":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None and not issubclass(exc_type, Exception):
+            return False
+        agree(self.boot, None if exc is None else f"{exc_type.__name__}: {exc}", self.what)
+        return True

@@ -13,7 +13,7 @@ import socket
 from typing import Any
 
 from distnorm.comm._views import tensor_from_ptr
-from distnorm.comm.bootstrap import Bootstrap, agree
+from distnorm.comm.bootstrap import Bootstrap, agree, agreed
 
 __all__ = ["NvshmemAllocation"]
 
@@ -61,14 +61,10 @@ class NvshmemAllocation:
         self._peers: list[Any] = []
         self.signal_offset = (buffer_bytes + 4095) // 4096 * 4096
         members = (socket.gethostname(), os.getpid())
-        error = None
-        try:
+        with agreed(boot, "nvshmem import"):
             nvshmem, Device = _import()
             if not all(hasattr(nvshmem, n) for n in ("init", "buffer", "free", "get_peer_buffer")):
                 raise ImportError("nvshmem.core lacks init/buffer/free/get_peer_buffer")
-        except Exception as e:  # noqa: BLE001 - reported collectively
-            error = f"{type(e).__name__}: {e}"
-        agree(boot, error, "nvshmem import")
         group = tuple(boot.all_gather_object(members))
         error = None
         if _state["members"] is not None and _state["members"] != group:
@@ -76,17 +72,13 @@ class NvshmemAllocation:
                      "NVSHMEM has one world per process")
         agree(boot, error, "nvshmem world")
         if _state["members"] is None:
-            try:
+            with agreed(boot, "nvshmem init"):
                 _init(nvshmem, Device, boot, device_index)
                 _state["members"] = group
-            except Exception as e:  # noqa: BLE001
-                error = f"{type(e).__name__}: {e}"
-            agree(boot, error, "nvshmem init")
         self._nvshmem = nvshmem
         try:
             self._buffer = nvshmem.buffer(self.signal_offset + signal_bytes)  # collective
-            error = None
-            try:
+            with agreed(boot, "nvshmem buffer"):  # also the barrier after zeroing
                 import torch
 
                 base = int(self._buffer.handle)
@@ -106,9 +98,6 @@ class NvshmemAllocation:
                 tensor_from_ptr(base, self.signal_offset + signal_bytes,
                                 torch.device("cuda", device_index)).zero_()
                 torch.cuda.synchronize(device_index)
-            except Exception as e:  # noqa: BLE001
-                error = f"{type(e).__name__}: {e}"
-            agree(boot, error, "nvshmem buffer")  # also the barrier after zeroing
         except BaseException:
             self.close()
             raise

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from distnorm.comm._views import tensor_from_ptr
-from distnorm.comm.bootstrap import Bootstrap, TorchBootstrap, agree
+from distnorm.comm.bootstrap import Bootstrap, TorchBootstrap, agreed
 from distnorm.comm.errors import BackendUnavailable
 
 __all__ = ["TorchSymmAllocation"]
@@ -59,28 +59,23 @@ class TorchSymmAllocation:
         import torch
 
         rank, world = boot.rank, boot.world_size
-        error = None
         try:
-            import torch.distributed._symmetric_memory as symm_mem
+            with agreed(boot, "torch_symm allocation"):
+                import torch.distributed._symmetric_memory as symm_mem
 
-            get_size = getattr(symm_mem, "get_signal_pad_size", None)
-            set_size = getattr(symm_mem, "set_signal_pad_size", None)
-            if get_size is not None and set_size is not None and get_size() < signal_bytes:
-                if _state["allocated"]:  # PyTorch fixes the size at the first allocation
-                    raise BackendUnavailable(
-                        f"signal pads are {get_size()} bytes, {signal_bytes} requested, and "
-                        "PyTorch cannot grow them after the first symmetric allocation; create "
-                        "the workspace with the largest signal_bytes first")
-                set_size(signal_bytes)
-            _state["allocated"] = True
-            self._tensor = symm_mem.empty(buffer_bytes, dtype=torch.uint8,
-                                          device=torch.device("cuda", device_index))
-        except Exception as e:  # noqa: BLE001 - reported collectively
-            error = f"{type(e).__name__}: {e}"
-        try:
-            agree(boot, error, "torch_symm allocation")
-            error = None
-            try:
+                get_size = getattr(symm_mem, "get_signal_pad_size", None)
+                set_size = getattr(symm_mem, "set_signal_pad_size", None)
+                if get_size is not None and set_size is not None and get_size() < signal_bytes:
+                    if _state["allocated"]:  # PyTorch fixes the size at the first allocation
+                        raise BackendUnavailable(
+                            f"signal pads are {get_size()} bytes, {signal_bytes} requested, and "
+                            "PyTorch cannot grow them after the first symmetric allocation; create "
+                            "the workspace with the largest signal_bytes first")
+                    set_size(signal_bytes)
+                _state["allocated"] = True
+                self._tensor = symm_mem.empty(buffer_bytes, dtype=torch.uint8,
+                                              device=torch.device("cuda", device_index))
+            with agreed(boot, "torch_symm rendezvous"):  # also the barrier after zeroing
                 self._handle = _rendezvous(symm_mem, self._tensor, boot.group)
                 bases = [int(p) for p in self._handle.buffer_ptrs]
                 offset = self._tensor.data_ptr() - bases[rank]
@@ -102,9 +97,6 @@ class TorchSymmAllocation:
                 tensor_from_ptr(self.signal_ptrs[rank], signal_bytes,
                                 torch.device("cuda", device_index)).zero_()
                 torch.cuda.synchronize(device_index)
-            except Exception as e:  # noqa: BLE001
-                error = f"{type(e).__name__}: {e}"
-            agree(boot, error, "torch_symm rendezvous")  # also the barrier after zeroing
         except BaseException:
             self.close()
             raise

@@ -14,7 +14,7 @@ import os
 import uuid
 from typing import Any
 
-from distnorm.comm.bootstrap import Bootstrap, agree
+from distnorm.comm.bootstrap import Bootstrap, agreed
 from distnorm.comm.errors import BackendUnavailable
 from distnorm.comm.fdpass import exchange_fds
 
@@ -97,40 +97,27 @@ class VmmAllocation:
             self.size = _round_up(self.signal_offset + signal_bytes, self._granularity)
 
             # 2. local: create and export
-            error = None
-            try:
+            with agreed(boot, "vmm cuMemCreate/export"):
                 handle = _check(cu.cuMemCreate(self.size, self._prop, 0), "cuMemCreate")
                 self._handles.append(handle)
                 self._export_fd = int(_check(cu.cuMemExportToShareableHandle(
                     handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
                     0), "cuMemExportToShareableHandle"))
-            except Exception as e:  # noqa: BLE001
-                error = f"{type(e).__name__}: {e}"
-            agree(boot, error, "vmm cuMemCreate/export")
 
             # 3. exchange descriptors among the group's processes
             tag = boot.broadcast_object(uuid.uuid4().hex if rank == 0 else None)
-            error = None
-            try:
+            with agreed(boot, "vmm file-descriptor exchange"):
                 fds = exchange_fds(self._export_fd, rank, world, tag, timeout_s=timeout_s)
                 self._peer_fds = [fd for r, fd in enumerate(fds) if r != rank]
-            except Exception as e:  # noqa: BLE001
-                error = f"{type(e).__name__}: {e}"
-                fds = []
-            agree(boot, error, "vmm file-descriptor exchange")
             os.close(self._export_fd)
             self._export_fd = -1
 
             # 4. import, reserve, map, grant access, zero my region
-            error = None
-            try:
+            with agreed(boot, "vmm import/map"):  # also the barrier after zeroing
                 self._map_all(fds, rank, world)
                 base = self._base + rank * self.size
                 _check(cu.cuMemsetD8(base, 0, self.size), "cuMemsetD8")
                 _check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
-            except Exception as e:  # noqa: BLE001
-                error = f"{type(e).__name__}: {e}"
-            agree(boot, error, "vmm import/map")  # also the barrier after zeroing
         except BaseException:
             self.close()
             raise

@@ -61,16 +61,14 @@ from cutlass import Float32, Int32, Int64, const_expr
 from distnorm.comm.errors import DEVICE_ERROR_WORD
 from distnorm.kernels import lamport  # absolute imports: the 4.3.5 DSL preprocessor needs them
 from distnorm.kernels.norm_quant import VEC, NormQuantCore, QuantParams, RowTiling
-from distnorm.kernels.sync import (BARRIER_REGION_WORDS, ERR_TIMEOUT, atomic_cas_sys_u32,
-                                   cta_barrier, globaltimer_ns, ld_volatile_sys_u32,
-                                   ld_volatile_sys_v4_u32, st_volatile_sys_v4_u32, st_volatile_u32)
+from distnorm.kernels.sync import (BARRIER_REGION_WORDS, SPIN_CHECK_MASK, cta_barrier,
+                                   globaltimer_ns, ld_volatile_sys_u32, ld_volatile_sys_v4_u32,
+                                   record_timeout, st_volatile_sys_v4_u32, st_volatile_u32)
 
 ALGOS = ("oneshot", "twoshot", "lamport")
 # signal-pad regions (sync.py): region 0 is the barrier self-test kernel's, one-shot takes 1 and
 # two-shot 2 (barriers; never shared between algorithms); lamport keeps its call state in region 3
 REGION = {"oneshot": 1, "twoshot": 2, "lamport": lamport.REGION}
-# lamport polls: look at %globaltimer and the device error word (comm/errors.py) every 256 rounds
-_SPIN_CHECK_MASK = 255
 
 
 class AllReduceAddRMSNormQuant:
@@ -165,6 +163,24 @@ class AllReduceAddRMSNormQuant:
             else:
                 rH.store(rH.load() + rT.load().to(Float32))
 
+    @cute.jit
+    def _add_residual(self, rH, rR, dtype: cutlass.Constexpr):
+        """rH: float32 acc -> float(h), h = T(acc + float(res)) (one rounding) or T(acc)."""
+        if const_expr(self.has_residual):
+            rH.store((rH.load() + rR.load().to(Float32)).to(dtype).to(Float32))
+        else:
+            rH.store(rH.load().to(dtype).to(Float32))
+
+    @cute.jit
+    def _finish_row(self, rH, rR, mAR, mRout, row: Int32, lane: Int32, dtype: cutlass.Constexpr):
+        """After a row's ordered sum (rH = float32 acc, rR = its residual): T(acc) -> allreduce_out,
+        h -> residual_out; rH is left holding float(h) for the epilogue."""
+        if const_expr(self.write_allreduce):
+            self._store_row(rH, cute.zipped_divide(mAR[row, None], (VEC,)), lane, dtype)
+        self._add_residual(rH, rR, dtype)
+        if const_expr(self.has_residual):
+            self._store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype)
+
     @staticmethod
     def _row_addr(mT, row) -> Int64:
         """Byte address of row `row` of a [M, H] tensor."""
@@ -245,17 +261,11 @@ class AllReduceAddRMSNormQuant:
             row_valid = row < m
             rH.fill(0.0)
             if row_valid:
-                self._sum_slots(rH, rT, base, slot_elems, Int64(row) * hidden,
-                                self._row_addr(mX, row), rank, lane)
-                if const_expr(self.write_allreduce):
-                    self._store_row(rH, cute.zipped_divide(mAR[row, None], (VEC,)), lane, dtype)
                 if const_expr(self.has_residual):
                     self._load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
-                    # h = T(acc + float(res)), one rounding; the norm reads float(h)
-                    rH.store((rH.load() + rR.load().to(Float32)).to(dtype).to(Float32))
-                    self._store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype)
-                else:
-                    rH.store(rH.load().to(dtype).to(Float32))  # h = T(acc)
+                self._sum_slots(rH, rT, base, slot_elems, Int64(row) * hidden,
+                                self._row_addr(mX, row), rank, lane)
+                self._finish_row(rH, rR, mAR, mRout, row, lane, dtype)
             self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, Int32(0), eps, mW,
                                mY, mQ, mS, static_inv, global_scale, bufs, rW)
             cute.arch.barrier()  # the next group's reductions reuse the shared-memory partials
@@ -308,9 +318,7 @@ class AllReduceAddRMSNormQuant:
                     rA.store(rH.load())
                 if const_expr(self.has_residual):
                     self._load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
-                    rH.store((rH.load() + rR.load().to(Float32)).to(dtype).to(Float32))
-                else:
-                    rH.store(rH.load().to(dtype).to(Float32))  # h = T(acc)
+                self._add_residual(rH, rR, dtype)
                 for s in cutlass.range_constexpr(self.world):
                     if Int32(s) != rank:
                         peer = mBuf[s]
@@ -518,29 +526,19 @@ class AllReduceAddRMSNormQuant:
                         pending = pending | pend_s
                     if pending != Int32(0):
                         spins = spins + Int32(1)
-                        if (spins & Int32(_SPIN_CHECK_MASK)) == Int32(0):
+                        if (spins & Int32(SPIN_CHECK_MASK)) == Int32(0):
                             if ld_volatile_sys_u32(dev_err_addr) != Int32(0):
                                 pending = Int32(0)  # someone already timed out: stop too
                             else:
                                 if globaltimer_ns() - t0 > timeout_ns:
-                                    if atomic_cas_sys_u32(err_addr, Int32(0),
-                                                          Int32(ERR_TIMEOUT)) == Int32(0):
-                                        st_volatile_u32(err_addr + Int64(4), missing)
-                                        st_volatile_u32(err_addr + Int64(8), k)
-                                    st_volatile_u32(dev_err_addr, Int32(ERR_TIMEOUT))
+                                    record_timeout(err_addr, dev_err_addr, missing, k)
                                     pending = Int32(0)
                 rH.store(cute.make_tensor(rAllT.iterator, cute.make_layout(nv * VEC)).load()
                          .to(Float32))
                 for s in cutlass.range_constexpr(1, world):
                     part = cute.make_tensor(rAllT.iterator + s * nv * VEC, cute.make_layout(nv * VEC))
                     rH.store(rH.load() + part.load().to(Float32))
-                if const_expr(self.write_allreduce):
-                    self._store_row(rH, cute.zipped_divide(mAR[row, None], (VEC,)), lane, dtype)
-                if const_expr(self.has_residual):
-                    rH.store((rH.load() + rR.load().to(Float32)).to(dtype).to(Float32))
-                    self._store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype)
-                else:
-                    rH.store(rH.load().to(dtype).to(Float32))  # h = T(acc)
+                self._finish_row(rH, rR, mAR, mRout, row, lane, dtype)
             self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, Int32(0), eps, mW,
                                mY, mQ, mS, static_inv, global_scale, bufs, rW)
             cute.arch.barrier()  # the next group's reductions reuse the shared-memory partials

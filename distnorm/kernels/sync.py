@@ -57,7 +57,7 @@ __all__ = [
     "ld_acquire_sys_u32", "ld_relaxed_sys_u32", "ld_volatile_sys_u32", "st_release_sys_u32",
     "st_relaxed_sys_u32", "st_volatile_u32", "atomic_cas_sys_u32", "atomic_add_gpu_u32",
     "fence_acq_rel_sys", "globaltimer_ns", "ld_volatile_sys_v4_u32", "st_volatile_sys_v4_u32",
-    "cta_barrier",
+    "cta_barrier", "record_timeout", "SPIN_CHECK_MASK",
 ]
 
 MAX_CTAS = 1024
@@ -74,7 +74,7 @@ DEFAULT_TIMEOUT_S = 10.0
 TIMEOUT_ENV = "DISTNORM_BARRIER_TIMEOUT_S"
 ERR_TIMEOUT = 1  # == distnorm.comm.errors.ERROR_TIMEOUT
 
-_SPIN_CHECK_MASK = 255  # look at %globaltimer and the device error word every 256 polls
+SPIN_CHECK_MASK = 255  # spinning threads look at %globaltimer and the device error word every 256 polls
 
 
 def region_word(index: int) -> int:
@@ -210,6 +210,16 @@ def st_volatile_sys_v4_u32(addr, a, b, c, d, *, loc=None, ip=None) -> None:
 
 # --- the barrier ------------------------------------------------------------------------------
 @cute.jit
+def record_timeout(err_addr: Int64, dev_err_addr: Int64, peer: Int32, epoch: Int32):
+    """A waiting thread gives up: the first one records (timeout, peer, epoch) in the pinned error
+    words the host reads; every one sets the device error word the other waiters poll."""
+    if atomic_cas_sys_u32(err_addr, Int32(0), Int32(ERR_TIMEOUT)) == Int32(0):
+        st_volatile_u32(err_addr + Int64(4), peer)
+        st_volatile_u32(err_addr + Int64(8), epoch)
+    st_volatile_u32(dev_err_addr, Int32(ERR_TIMEOUT))
+
+
+@cute.jit
 def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[int],
                 region_word: cutlass.Constexpr[int], block: Int32, timeout_ns: Int64,
                 err: cute.Tensor):
@@ -285,16 +295,13 @@ def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[
             if (v - epoch) >= Int32(0):
                 waiting = Int32(0)
             spins = spins + Int32(1)
-            if (spins & Int32(_SPIN_CHECK_MASK)) == Int32(0):
+            if (spins & Int32(SPIN_CHECK_MASK)) == Int32(0):
                 if waiting != Int32(0):
                     if ld_volatile_sys_u32(dev_err_addr) != Int32(0):
                         waiting = Int32(0)  # another thread / CTA already timed out: stop too
                     else:
                         if globaltimer_ns() - t0 > timeout_ns:
-                            if atomic_cas_sys_u32(err_addr, Int32(0), Int32(ERR_TIMEOUT)) == Int32(0):
-                                st_volatile_u32(err_addr + Int64(4), tidx)
-                                st_volatile_u32(err_addr + Int64(8), epoch)
-                            st_volatile_u32(dev_err_addr, Int32(ERR_TIMEOUT))
+                            record_timeout(err_addr, dev_err_addr, tidx, epoch)
                             waiting = Int32(0)
         st_relaxed_sys_u32(epoch_addr, epoch)
     cute.arch.barrier()

@@ -43,7 +43,10 @@ QUANTS = {
     "mxfp8": ("mxfp8", {"sf_layout": "swizzled"}),
 }
 ALGOS = ("oneshot", "twoshot", "lamport")
-if FULL:
+if FULL:  # every format of the issue; the default grid keeps five of them
+    QUANTS.update({"fp8_per_group": ("fp8_per_group", {}),
+                   "nvfp4_linear": ("nvfp4", {"sf_layout": "linear"}),
+                   "mxfp4": ("mxfp4", {"sf_layout": "swizzled"})})
     TOKENS = [1, 3, 64, 1000, 8192, "cap+1"]
     HIDDEN = [2048, 4096, 7168, 8192]
 else:

@@ -27,8 +27,10 @@ import torch.distributed as dist  # noqa: E402
 from common import time_graph_us  # noqa: E402
 
 import distnorm  # noqa: E402
-from distnorm import allreduce_ops  # noqa: E402
-from distnorm.allreduce_ops import allreduce, allreduce_add_rmsnorm  # noqa: E402
+from distnorm.collectives import allreduce, allreduce_add_rmsnorm  # noqa: E402
+from distnorm.collectives.dispatch import gathered_sum  # noqa: E402
+from distnorm.collectives.plan import Tuning  # noqa: E402
+from distnorm.collectives.state import state_of  # noqa: E402
 from distnorm.comm import Workspace  # noqa: E402
 from distnorm.launch import init_distributed  # noqa: E402
 
@@ -93,7 +95,7 @@ def main():
             q8 = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=dev)
             cases = {}
             for vname, tune in variants.items():
-                t = lambda tune=tune: apply_tuning(tune)  # noqa: E731 - set before each call (capture)
+                t = lambda tune=tune: apply_tuning(ws, tune)  # noqa: E731 - set before each call (capture)
                 for algo in (("lamport", "oneshot", "twoshot") if M <= 2048 else ("oneshot", "twoshot")):
                     cases[f"dn_norm_{algo}{vname}"] = lambda a=algo, t=t: (t(), allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, norm_out=True, algo=a, residual_out=ro, y_out=yo))
                     cases[f"dn_fp8_{algo}{vname}"] = lambda a=algo, t=t: (t(), allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, quant="fp8", scale=scale, algo=a, residual_out=ro, q_out=q8))
@@ -155,23 +157,23 @@ def main():
     dist.destroy_process_group()
 
 
-_DEFAULT_TUNING = {"pdl": allreduce_ops.TUNING["pdl"], "rows_per_cta": dict(allreduce_ops.TUNING["rows_per_cta"])}
+_DEFAULT_TUNING = Tuning.from_env()
 
 
-def apply_tuning(tune: dict) -> None:
-    """Set distnorm's launch settings for the next call: the defaults, overridden by `tune`."""
-    allreduce_ops.TUNING["pdl"] = bool(int(tune.get("pdl", _DEFAULT_TUNING["pdl"])))
-    rpc = dict(_DEFAULT_TUNING["rows_per_cta"])
+def apply_tuning(ws, tune: dict) -> None:
+    """Set the workspace's launch settings for the next call: the defaults, overridden by `tune`."""
+    rpc = dict(_DEFAULT_TUNING.rows_per_cta)
     if "rpc" in tune:
         rpc["lamport"] = rpc["oneshot"] = int(tune["rpc"])
     if "rpcts" in tune:
         rpc["twoshot"] = int(tune["rpcts"])
-    allreduce_ops.TUNING["rows_per_cta"] = rpc
+    state_of(ws).tuning = Tuning(pdl=bool(int(tune.get("pdl", _DEFAULT_TUNING.pdl))),
+                                 rows_per_cta=rpc, timeout_s=_DEFAULT_TUNING.timeout_s)
 
 
 def outputs_correct(name, x, res, ro, xc) -> bool:
     """The last timed call's outputs against the ordered float32 sum of the all-gathered x."""
-    acc = allreduce_ops.gathered_sum(x, None)
+    acc = gathered_sum(x, None)
     if name.startswith("dn_ar"):
         return torch.equal(xc.view(torch.int16), acc.to(x.dtype).view(torch.int16))
     return torch.equal(ro.view(torch.int16), (acc + res.float()).to(x.dtype).view(torch.int16))

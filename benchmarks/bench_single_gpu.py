@@ -3,7 +3,7 @@ side with the eager reference chain and torch.compile of it, in one run.
 
     python benchmarks/bench_single_gpu.py --out benchmarks/results/single_gpu   [--quick]
 
-Bytes are counted as DESIGN.md does: read x and residual, write the new residual and the outputs
+Bytes are the fewest one fused pass must move: read x and residual, write the new residual and the outputs
 (y for no-quant, q and scales otherwise); the weight is ignored. Writes <out>.md, <out>.json, <out>.png.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """distnorm: fused all-reduce + residual add + RMSNorm + FP8/NVFP4 quantization (CuTe DSL kernels)."""
 from .formats import NormQuantOutput, QuantSpec, make_quant_spec
-from .allreduce_ops import allreduce, allreduce_add_rmsnorm
+from .collectives import allreduce, allreduce_add_rmsnorm
 from .comm import Workspace
 from .ops import add_rmsnorm
 

@@ -7,15 +7,6 @@ import time
 
 import torch
 
-VARIANTS = [
-    ("none", None, {}), ("fp8", "fp8", {}), ("fp8_per_token", "fp8_per_token", {}),
-    ("fp8_per_group128", "fp8_per_group", {"group_size": 128}),
-    ("fp8_per_group64_col_ue8m0", "fp8_per_group", {"group_size": 64, "scale_major": "col", "scale_ue8m0": True}),
-    ("nvfp4_swizzled", "nvfp4", {"sf_layout": "swizzled"}), ("nvfp4_linear", "nvfp4", {"sf_layout": "linear"}),
-    ("mxfp8", "mxfp8", {}), ("mxfp4", "mxfp4", {}),
-]
-
-
 def _time_us(fn, device) -> float:
     if device == "cpu":
         fn()
@@ -40,6 +31,7 @@ def _time_us(fn, device) -> float:
 
 def main(argv=None) -> int:
     import distnorm
+    from distnorm.formats import FORMATS, format_variants
     from distnorm.reference import add_rmsnorm_ref
 
     ap = argparse.ArgumentParser(description=__doc__)
@@ -56,12 +48,13 @@ def main(argv=None) -> int:
     x = torch.randn(M, H, device=device).to(torch.bfloat16)
     res = torch.randn(M, H, device=device).to(torch.bfloat16)
     w = (torch.rand(H, device=device) + 0.5).to(torch.bfloat16)
-    extra = {"fp8": {"scale": torch.tensor([0.05], device=device)},
-             "nvfp4": {"global_scale": torch.tensor([200.0], device=device)}}
+    scalars = {"scale": torch.tensor([0.05], device=device),       # the float32 [1] argument a
+               "global_scale": torch.tensor([200.0], device=device)}  # format takes (FORMATS.scalar)
     print(f"{'variant':28s} {'check':>6s} {'match %':>8s} {'us':>8s}   (M={M}, H={H}, bf16)")
     failures = 0
-    for name, quant, opts in VARIANTS:
-        kw = dict(quant=quant, **opts, **extra.get(quant, {}))
+    for name, quant, opts in format_variants():
+        scalar = FORMATS[quant or "none"].scalar
+        kw = dict(quant=quant, **opts, **({scalar: scalars[scalar]} if scalar else {}))
         out = distnorm.add_rmsnorm(x, res, w, 1e-6, **kw)
         ref = add_rmsnorm_ref(x, res, w, 1e-6, **kw)
         ok = torch.equal(out.residual, ref.residual)

@@ -7,27 +7,56 @@ device. Bit tricks go through int32 views of float32 tensors, never through Pyth
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-QUANT_KINDS = ("fp8", "fp8_per_token", "fp8_per_group", "nvfp4", "mxfp8", "mxfp4")
-GROUP_SIZES = (128, 64)
-SF_LAYOUTS = ("linear", "swizzled")
-SCALE_MAJORS = ("row", "col")
-
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 MIN_HIDDEN = 256
 MAX_HIDDEN = 32768
+VEC = 8  # elements per 16-byte vector of bf16/fp16: H is always a multiple of it
 PER_TOKEN_MIN_AMAX = 1e-10  # used as float32(1e-10), the floor of a row / group amax
-NVFP4_BLOCK = 16
-MX_BLOCK = 32
-
-_BLOCK_SCALED = ("nvfp4", "mxfp8", "mxfp4")
 _FP32_NAN_BITS = 0x7FC00000
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    """Facts of one quantization format (docs/SEMANTICS.md). The one table of them is FORMATS.
+
+    scales: "none" (no quantization), "static" (the caller's float32 scale), "row" (float32 [M, 1]),
+      "group" (float32 [M, H/g], row- or column-major) or "block" (1-byte scales, linear or 128x4
+      swizzled).
+    group_sizes: allowed elements per scale along H (the first is the default; () = no blocks).
+    elem_max: largest magnitude of the element format (e4m3 448, e2m1 6).
+    packed_fp4: two e2m1 codes per byte.
+    scale_dtype: dtype of the scales output (None: none, or the caller's tensor).
+    scalar: the float32 [1] tensor argument the format needs ("scale", "global_scale" or "").
+    """
+
+    scales: str
+    group_sizes: tuple = ()
+    elem_max: float = E4M3_MAX
+    packed_fp4: bool = False
+    scale_dtype: Optional[torch.dtype] = None
+    scalar: str = ""
+
+
+FORMATS = {
+    "none": FormatInfo("none"),
+    "fp8": FormatInfo("static", scalar="scale"),
+    "fp8_per_token": FormatInfo("row", scale_dtype=torch.float32),
+    "fp8_per_group": FormatInfo("group", (128, 64), scale_dtype=torch.float32),
+    "nvfp4": FormatInfo("block", (16,), E2M1_MAX, True, torch.float8_e4m3fn, "global_scale"),
+    "mxfp8": FormatInfo("block", (32,), E4M3_MAX, False, torch.uint8),
+    "mxfp4": FormatInfo("block", (32,), E2M1_MAX, True, torch.uint8),
+}
+QUANT_KINDS = tuple(k for k in FORMATS if k != "none")  # what users pass as `quant`
+SF_LAYOUTS = ("linear", "swizzled")
+SCALE_MAJORS = ("row", "col")
 
 
 class NormQuantOutput(NamedTuple):
@@ -49,11 +78,13 @@ class NormQuantOutput(NamedTuple):
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """A normalized quantization format. Build it with make_quant_spec.
+    """A normalized quantization format: what the ops, the reference and the kernels' compile keys
+    all take. Build it with make_quant_spec; ``QuantSpec("none")`` (NO_QUANT) is the kernels' form
+    of quant=None.
 
-    group_size: elements per scale along H (per-group 64/128, nvfp4 16, mx 32; 0 for static fp8 and
-    per-token). Fields irrelevant to `kind` hold neutral values (sf_layout "linear", scale_major "row",
-    scale_ue8m0 False) so that equal formats compare (and hash, e.g. as kernel cache keys) equal.
+    group_size: elements per scale along H (per-group 64/128, nvfp4 16, mx 32; 0 for static fp8,
+    per-token and none). Fields irrelevant to `kind` hold neutral values (sf_layout "linear",
+    scale_major "row", scale_ue8m0 False) so that equal formats compare (and hash) equal.
     """
 
     kind: str
@@ -63,55 +94,84 @@ class QuantSpec:
     scale_ue8m0: bool = False
 
     @property
-    def block(self) -> int:
-        return self.group_size
+    def info(self) -> FormatInfo:
+        return FORMATS[self.kind]
 
     @property
     def packed_fp4(self) -> bool:
-        return self.kind in ("nvfp4", "mxfp4")
+        return FORMATS[self.kind].packed_fp4
+
+    @property
+    def grouped(self) -> bool:
+        """One scale per group_size elements along H (per-group and the block-scaled formats)."""
+        return self.group_size > 0
 
     @property
     def block_scaled(self) -> bool:
         """nvfp4 / mxfp8 / mxfp4: 1-byte scales with a linear or swizzled layout."""
-        return self.kind in _BLOCK_SCALED
+        return FORMATS[self.kind].scales == "block"
 
     @property
-    def is_mx(self) -> bool:
-        return self.kind in ("mxfp8", "mxfp4")
+    def float_scales(self) -> bool:
+        """per-token / per-group: float32 scales written by the op."""
+        return FORMATS[self.kind].scales in ("row", "group")
 
     @property
     def swizzled(self) -> bool:
         return self.sf_layout == "swizzled"
 
     @property
+    def col_major(self) -> bool:
+        return self.scale_major == "col"
+
+    @property
     def elem_max(self) -> float:
-        """Largest magnitude of the element format (e2m1: 6, e4m3: 448)."""
-        return E2M1_MAX if self.packed_fp4 else E4M3_MAX
+        return FORMATS[self.kind].elem_max
 
     @property
     def hidden_multiple(self) -> int:
-        return self.group_size if self.group_size else 8
+        """H must be a multiple of this: the vector width or the scale block along H."""
+        return self.group_size if self.group_size else VEC
+
+    @property
+    def code(self) -> str:
+        """A string that names this spec exactly (custom-op schemas take no dataclasses);
+        QuantSpec.from_code inverts it."""
+        return f"{self.kind}:{self.group_size}:{self.sf_layout}:{self.scale_major}:{int(self.scale_ue8m0)}"
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def from_code(code: str) -> Optional["QuantSpec"]:
+        """The spec named by `code` (None for "none")."""
+        kind, g, layout, major, ue8m0 = code.split(":")
+        return None if kind == "none" else QuantSpec(kind, int(g), layout, major, ue8m0 == "1")
 
 
-def make_quant_spec(quant: Union[str, QuantSpec, None], *, group_size: int = 128,
-                    sf_layout: str = "swizzled", scale_major: str = "row",
-                    scale_ue8m0: bool = False) -> Optional[QuantSpec]:
-    """Validate the user's quant options and return a QuantSpec (None for quant=None).
+NO_QUANT = QuantSpec("none")
 
-    `quant` may also be a QuantSpec, returned as is (the keyword options are then ignored).
-    Options that do not apply to `quant` are ignored (not validated).
-    """
+
+def kernel_spec(spec: Optional[QuantSpec]) -> QuantSpec:
+    """The spec a kernel is compiled for: NO_QUANT for quant=None."""
+    return NO_QUANT if spec is None else spec
+
+
+def spec_code(spec: Optional[QuantSpec]) -> str:
+    return kernel_spec(spec).code
+
+
+def _validated_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0) -> Optional[QuantSpec]:
     if quant is None:
         return None
     if isinstance(quant, QuantSpec):
         return quant
     if quant not in QUANT_KINDS:
         raise ValueError(f"quant must be None or one of {QUANT_KINDS}, got {quant!r}")
-    if quant in ("fp8", "fp8_per_token"):
+    info = FORMATS[quant]
+    if info.scales in ("static", "row"):
         return QuantSpec(quant)
-    if quant == "fp8_per_group":
-        if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
-            raise ValueError(f"group_size must be one of {GROUP_SIZES} for quant='fp8_per_group', "
+    if info.scales == "group":
+        if isinstance(group_size, bool) or group_size not in info.group_sizes:
+            raise ValueError(f"group_size must be one of {info.group_sizes} for quant={quant!r}, "
                              f"got {group_size!r}")
         if scale_major not in SCALE_MAJORS:
             raise ValueError(f"scale_major must be one of {SCALE_MAJORS}, got {scale_major!r}")
@@ -120,12 +180,49 @@ def make_quant_spec(quant: Union[str, QuantSpec, None], *, group_size: int = 128
         return QuantSpec(quant, int(group_size), "linear", scale_major, scale_ue8m0)
     if sf_layout not in SF_LAYOUTS:
         raise ValueError(f"sf_layout must be one of {SF_LAYOUTS} for quant={quant!r}, got {sf_layout!r}")
-    return QuantSpec(quant, NVFP4_BLOCK if quant == "nvfp4" else MX_BLOCK, sf_layout)
+    return QuantSpec(quant, info.group_sizes[0], sf_layout)
+
+
+_cached_spec = functools.lru_cache(maxsize=256, typed=True)(_validated_spec)
+
+
+def make_quant_spec(quant: Union[str, QuantSpec, None], *, group_size: int = 128,
+                    sf_layout: str = "swizzled", scale_major: str = "row",
+                    scale_ue8m0: bool = False) -> Optional[QuantSpec]:
+    """Validate the user's quant options and return a QuantSpec (None for quant=None).
+
+    `quant` may also be a QuantSpec, returned as is (the keyword options are then ignored).
+    Options that do not apply to `quant` are ignored (not validated). Memoized: the eager ops call
+    it on every call.
+    """
+    if torch.compiler.is_compiling():  # dynamo traces through caches; validate plainly
+        return _validated_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0)
+    try:
+        return _cached_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0)
+    except TypeError:  # an unhashable option: validate uncached (it raises with the reason)
+        return _validated_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0)
+
+
+def format_variants() -> list:
+    """(name, quant, options) for every format and every layout choice of FORMATS, quant=None first:
+    what the main job (python -m distnorm) checks."""
+    variants = [("none", None, {})]
+    for kind in QUANT_KINDS:
+        info = FORMATS[kind]
+        if info.scales == "group":
+            variants += [(f"{kind}{g}_{major}{'_ue8m0' * ue8m0}", kind,
+                          {"group_size": g, "scale_major": major, "scale_ue8m0": ue8m0})
+                         for g in info.group_sizes for major in SCALE_MAJORS for ue8m0 in (False, True)]
+        elif info.scales == "block":
+            variants += [(f"{kind}_{layout}", kind, {"sf_layout": layout}) for layout in SF_LAYOUTS]
+        else:
+            variants.append((kind, kind, {}))
+    return variants
 
 
 def hidden_multiple(spec: Optional[QuantSpec]) -> int:
     """H must be a multiple of this: 8 (vector width) or the scale block along H."""
-    return 8 if spec is None else spec.hidden_multiple
+    return VEC if spec is None else spec.hidden_multiple
 
 
 def check_hidden(spec: Optional[QuantSpec], H: int) -> None:
@@ -154,19 +251,19 @@ def q_dtype(spec: QuantSpec) -> torch.dtype:
 def scales_geometry(spec: Optional[QuantSpec], M: int, H: int):
     """(shape, stride, dtype) of the scales output, or None (no quant, or static fp8 which returns
     the caller's scale tensor)."""
-    if spec is None or spec.kind == "fp8":
+    info = kernel_spec(spec).info
+    if info.scale_dtype is None:
         return None
-    if spec.kind == "fp8_per_token":
-        return (M, 1), (1, 1), torch.float32
+    if info.scales == "row":
+        return (M, 1), (1, 1), info.scale_dtype
     K = H // spec.group_size
-    if spec.kind == "fp8_per_group":
-        stride = (1, M) if spec.scale_major == "col" else (K, 1)
-        return (M, K), stride, torch.float32
-    dtype = torch.float8_e4m3fn if spec.kind == "nvfp4" else torch.uint8
-    if spec.sf_layout == "linear":
-        return (M, K), (K, 1), dtype
+    if info.scales == "group":
+        stride = (1, M) if spec.col_major else (K, 1)
+        return (M, K), stride, info.scale_dtype
+    if not spec.swizzled:
+        return (M, K), (K, 1), info.scale_dtype
     Mp, Kp = round_up(M, 128), round_up(K, 4)
-    return (Mp, Kp), (Kp, 1), dtype
+    return (Mp, Kp), (Kp, 1), info.scale_dtype
 
 
 def empty_scales(spec: Optional[QuantSpec], M: int, H: int, device) -> Optional[Tensor]:

@@ -6,9 +6,11 @@ on each rank under torchrun / mpirun, else in one self-spawned process per visib
 import os
 import sys
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_TESTS)
+for _path in (_TESTS, _ROOT):  # tests/: helper modules (barrier_kernel, harness, ...) import by name
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 from distnorm.launch.env import apply_no_multicast_env  # noqa: E402
 

@@ -35,7 +35,8 @@ def compile_in_subprocess(body: str, arch: str = "sm_90a", timeout: int = 600) -
     CUTE_DSL_ARCH=arch; return how many kernels it compiled, or skip the calling test."""
     pytest.importorskip("cutlass")
     script = _TEMPLATE.format(body=textwrap.indent(textwrap.dedent(body), "    "))
-    env = dict(os.environ, CUTE_DSL_ARCH=arch, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, CUTE_DSL_ARCH=arch, PYTHONPATH=path)
     env.pop("DISTNORM_KEEP_PTX", None)
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                        timeout=timeout, cwd=ROOT)

@@ -11,24 +11,24 @@ from cute_compile import compile_in_subprocess
 
 BODY = """
 from distnorm.kernels.compile_allreduce import compiled_allreduce
-from distnorm.kernels.norm_quant import QuantParams
+from distnorm.formats import NO_QUANT, make_quant_spec as Q
 # (algo, world, dtype, H, quant, residual, gemma, write_y, write_allreduce[, pdl, rows_per_cta])
 variants = [
-    ("oneshot", 2, "bfloat16", 4096, QuantParams("fp8"), True, False, False, True),
-    ("oneshot", 4, "bfloat16", 7168, QuantParams("nvfp4", 16, swizzled=True), True, False, True, False),
-    ("oneshot", 8, "bfloat16", 8192, QuantParams(), False, False, False, True),   # plain all-reduce
-    ("twoshot", 2, "bfloat16", 4096, QuantParams("mxfp8", 32, swizzled=True), True, False, False, False),
-    ("twoshot", 4, "bfloat16", 2048, QuantParams("fp8_per_token"), True, False, True, True),
-    ("twoshot", 8, "bfloat16", 8192, QuantParams(), True, False, True, False),
-    ("twoshot", 2, "float16", 1536, QuantParams("fp8_per_group", 64, col_major=True, ue8m0=True), True, True, False, False),
-    ("lamport", 2, "bfloat16", 4096, QuantParams("fp8"), True, False, False, True),
-    ("lamport", 4, "bfloat16", 7168, QuantParams("nvfp4", 16, swizzled=True), True, False, True, False),
-    ("lamport", 8, "bfloat16", 8192, QuantParams(), False, False, False, True),  # plain all-reduce
-    ("lamport", 2, "float16", 2000, QuantParams("fp8_per_token"), True, True, True, True),  # ragged
+    ("oneshot", 2, "bfloat16", 4096, Q("fp8"), True, False, False, True),
+    ("oneshot", 4, "bfloat16", 7168, Q("nvfp4"), True, False, True, False),
+    ("oneshot", 8, "bfloat16", 8192, NO_QUANT, False, False, False, True),   # plain all-reduce
+    ("twoshot", 2, "bfloat16", 4096, Q("mxfp8"), True, False, False, False),
+    ("twoshot", 4, "bfloat16", 2048, Q("fp8_per_token"), True, False, True, True),
+    ("twoshot", 8, "bfloat16", 8192, NO_QUANT, True, False, True, False),
+    ("twoshot", 2, "float16", 1536, Q("fp8_per_group", group_size=64, scale_major="col", scale_ue8m0=True), True, True, False, False),
+    ("lamport", 2, "bfloat16", 4096, Q("fp8"), True, False, False, True),
+    ("lamport", 4, "bfloat16", 7168, Q("nvfp4"), True, False, True, False),
+    ("lamport", 8, "bfloat16", 8192, NO_QUANT, False, False, False, True),  # plain all-reduce
+    ("lamport", 2, "float16", 2000, Q("fp8_per_token"), True, True, True, True),  # ragged
     # programmatic dependent launch, one row per CTA
-    ("lamport", 2, "bfloat16", 4096, QuantParams("fp8"), True, False, False, False, True, 1),
-    ("oneshot", 4, "bfloat16", 2048, QuantParams("mxfp4", 32, swizzled=True), True, False, False, False, True, 1),
-    ("twoshot", 4, "float16", 8192, QuantParams("fp8", 0), True, False, True, True, True, 0),
+    ("lamport", 2, "bfloat16", 4096, Q("fp8"), True, False, False, False, True, 1),
+    ("oneshot", 4, "bfloat16", 2048, Q("mxfp4"), True, False, False, False, True, 1),
+    ("twoshot", 4, "float16", 8192, Q("fp8"), True, False, True, True, True, 0),
 ]
 for v in variants:
     compiled_allreduce(*v)
@@ -41,13 +41,22 @@ def test_allreduce_kernels_compile_sm90a():
 
 
 # --- buffer split and capacities (host arithmetic, no GPU) -----------------------------------------
+def buffer_elems(algo: str, world: int, m: int, hidden: int, swizzled: bool, gather_acc: bool) -> int:
+    """Elements of T one launch with m rows uses in the data buffer, as kernels/allreduce.py lays it
+    out (an independent model of what plan.max_chunk_rows must respect)."""
+    rows = (m + 127) // 128 * 128 if swizzled else m
+    if algo in ("oneshot", "lamport"):  # lamport: in one of its three areas
+        return world * m * hidden
+    s = -(-rows // world)
+    return world * s * hidden * (2 + (1 if gather_acc else 0))
+
+
 @pytest.mark.parametrize("buffer_bytes", [32 << 20, 64 << 20, (32 << 20) + 12345, 1 << 16])
-def test_lamport_layout_disjoint_and_aligned(buffer_bytes):
-    pytest.importorskip("cutlass")
-    from distnorm.kernels.lamport import AREAS, lamport_layout
-    general, area = lamport_layout(buffer_bytes)
+def test_lamport_split_disjoint_and_aligned(buffer_bytes):
+    from distnorm.collectives.layout import LAMPORT_AREAS, lamport_split
+    general, area = lamport_split(buffer_bytes)
     assert general % 16 == 0 and area % 16 == 0 and area > 0
-    assert general + AREAS * area <= buffer_bytes
+    assert general + LAMPORT_AREAS * area <= buffer_bytes
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -56,23 +65,29 @@ def test_lamport_layout_disjoint_and_aligned(buffer_bytes):
 def test_max_chunk_rows_exact(world, hidden, buffer_bytes):
     """Each algorithm's chunk fits its part of the buffer and one more row would not: lamport's in
     ONE of its three areas (not the three together), oneshot / twoshot in the part before them."""
-    pytest.importorskip("cutlass")
-    from distnorm.allreduce_ops import choose_algo, max_chunk_rows
-    from distnorm.kernels.compile_allreduce import buffer_elems
-    from distnorm.kernels.lamport import capacity_rows, lamport_layout
-    general, area = lamport_layout(buffer_bytes)
+    from distnorm.collectives.layout import lamport_split
+    from distnorm.collectives.plan import choose_algo, lamport_capacity, max_chunk_rows, plan_launch
+    general, area = lamport_split(buffer_bytes)
     es = 2
     big = 1 << 30
     cap = max_chunk_rows("lamport", world, big, hidden, es, buffer_bytes, False, False)
-    assert cap == capacity_rows(world, hidden, es, buffer_bytes)
+    assert cap == lamport_capacity(world, hidden, es, buffer_bytes)
     assert buffer_elems("lamport", world, cap, hidden, False, False) * es <= area
     assert buffer_elems("lamport", world, cap + 1, hidden, False, False) * es > area
     for algo in ("oneshot", "twoshot"):
         for ga in (False, True):
-            c = max_chunk_rows(algo, world, big, hidden, es, buffer_bytes, False, ga)
-            assert buffer_elems(algo, world, c, hidden, False, ga) * es <= general
-            if algo == "oneshot":
-                assert buffer_elems(algo, world, c + 1, hidden, False, ga) * es > general
+            for swz in (False, True):
+                try:
+                    c = max_chunk_rows(algo, world, big, hidden, es, buffer_bytes, swz, ga)
+                except ValueError:  # fewer than 128 rows fit: swizzled chunks cannot be cut
+                    assert swz and max_chunk_rows(algo, world, big, hidden, es, buffer_bytes,
+                                                  False, ga) < 128 + world
+                    continue
+                assert buffer_elems(algo, world, c, hidden, swz, ga) * es <= general
+                if swz:
+                    assert c % 128 == 0
+                elif algo == "oneshot":
+                    assert buffer_elems(algo, world, c + 1, hidden, False, ga) * es > general
     # swizzled: chunks are multiples of 128 rows (or the area is too small and it says so)
     try:
         c = max_chunk_rows("lamport", world, big, hidden, es, buffer_bytes, True, False)
@@ -84,3 +99,13 @@ def test_max_chunk_rows_exact(world, hidden, buffer_bytes):
     assert choose_algo("auto", world, m_small, hidden, es, buffer_bytes) == "lamport"
     assert choose_algo("auto", world, cap + 1, hidden, es, buffer_bytes) != "lamport"
     assert choose_algo("lamport", world, cap + 1, hidden, es, buffer_bytes) == "lamport"
+    # a chunked swizzled lamport call whose area holds < 128 rows runs one-shot instead
+    algo, step = plan_launch("lamport", world, cap + 1, hidden, es, buffer_bytes, True, False, False)
+    assert (algo == "oneshot") == (cap < 128) and step >= 1
+
+
+def test_choose_algo_rejects_unknown():
+    from distnorm.collectives.plan import ALGOS, choose_algo
+    assert ALGOS == ("auto", "lamport", "oneshot", "twoshot")
+    with pytest.raises(ValueError, match="algo must be one of"):
+        choose_algo("ring", 2, 1, 4096, 2)

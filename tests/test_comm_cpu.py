@@ -620,3 +620,50 @@ def _workspace_topology(case: str) -> None:
 
 def test_workspace_end_to_end_with_faked_cuda():
     spawn(_body_workspace_end_to_end, 2, timeout_s=60)
+
+
+# --- workspaces and their op state are freed with them ---------------------------------------
+def _body_workspaces_freed() -> None:
+    import weakref
+
+    import torch.distributed as dist
+
+    import distnorm
+    from distnorm.collectives import ops as collective_ops
+    from distnorm.collectives.state import state_of
+    from distnorm.reference import allreduce_add_rmsnorm_ref, allreduce_ref
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fake = _fake_cuda(rank)
+    refs = []
+    for i in range(100):
+        g = torch.Generator().manual_seed(1000 + i)  # fresh inputs per workspace, the same on all ranks
+        xs = [torch.randn(3, 256, generator=g).to(torch.bfloat16) for _ in range(world)]
+        res = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+        w = torch.randn(256, generator=g).to(torch.bfloat16)
+        ws = Workspace(buffer_bytes=1 << 16, signal_bytes=4096, backend="vmm" if i % 2 else "auto")
+        assert ws.p2p_ok  # mapped through the fake driver; CPU tensors take the torch.distributed path
+        out = distnorm.allreduce_add_rmsnorm(xs[rank], res, w, workspace=ws, quant="fp8_per_token")
+        ref = allreduce_add_rmsnorm_ref(xs, res, w, quant="fp8_per_token")
+        assert torch.equal(out.residual, ref.residual) and torch.equal(out.scales, ref.scales)
+        assert torch.equal(out.q.view(torch.uint8), ref.q.view(torch.uint8))
+        assert torch.equal(distnorm.allreduce(xs[rank], workspace=ws), allreduce_ref(xs))
+        handle = collective_ops._handle(ws)  # what a torch.compile'd call registers
+        assert collective_ops._workspace(handle) is ws and state_of(ws).handle == handle
+        refs.append(weakref.ref(ws))
+        ws.close()
+        assert not ws._op_state, "close() keeps the op state"
+        del ws, out
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive == 0, f"{alive} of 100 closed workspaces are still alive"
+    assert len(collective_ops._BY_HANDLE) == 0
+    assert not fake.handles and live_view_count() == 0
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        collective_ops._workspace(handle)
+
+
+def test_closed_workspaces_are_freed():
+    """100 workspaces created, used (the CPU path of both all-reduce ops, and the compile handle
+    table) and closed: weakrefs show that nothing in the package keeps one alive."""
+    spawn(_body_workspaces_freed, 2, timeout_s=120)

@@ -12,11 +12,11 @@ from cute_compile import compile_in_subprocess
 
 BODY = """
 from distnorm.kernels.compile import compiled_fused_norm
-from distnorm.kernels.norm_quant import QuantParams
-variants = [QuantParams(), QuantParams("fp8"), QuantParams("fp8_per_token"),
-            QuantParams("fp8_per_group", 128), QuantParams("fp8_per_group", 64, col_major=True, ue8m0=True),
-            QuantParams("nvfp4", 16, swizzled=True), QuantParams("nvfp4", 16),
-            QuantParams("mxfp8", 32, swizzled=True), QuantParams("mxfp4", 32)]
+from distnorm.formats import NO_QUANT, make_quant_spec as Q
+variants = [NO_QUANT, Q("fp8"), Q("fp8_per_token"),
+            Q("fp8_per_group"), Q("fp8_per_group", group_size=64, scale_major="col", scale_ue8m0=True),
+            Q("nvfp4"), Q("nvfp4", sf_layout="linear"),
+            Q("mxfp8"), Q("mxfp4", sf_layout="linear")]
 for q in variants:
     for dtype, H, res, gemma, cn in (("bfloat16", 4096, True, False, 1), ("float16", 1536, False, True, 1),
                                      ("bfloat16", 32768, True, False, 2), ("bfloat16", 32768, True, False, 8)):

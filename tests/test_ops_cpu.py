@@ -94,8 +94,12 @@ def test_allreduce_argument_errors():
         distnorm.allreduce_add_rmsnorm(x, res, w, workspace=None)
     with pytest.raises(ValueError, match="algo"):
         distnorm.allreduce_add_rmsnorm(x, res, w, workspace=types.SimpleNamespace(world_size=2), algo="ring")
+    with pytest.raises(TypeError, match="distnorm.Workspace"):
+        distnorm.allreduce(x, workspace=types.SimpleNamespace(world_size=2))
+    closed = object.__new__(distnorm.Workspace)  # what a closed workspace looks like to the ops
+    closed._closed = True
     with pytest.raises(RuntimeError, match="closed"):
-        distnorm.allreduce(x, workspace=types.SimpleNamespace(world_size=2, closed=True))
+        distnorm.allreduce(x, workspace=closed)
     with pytest.raises(ValueError, match="algo"):
         distnorm.allreduce(x, workspace=types.SimpleNamespace(world_size=2), algo="ring")
     with pytest.raises(ValueError, match="scale"):

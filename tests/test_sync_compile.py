@@ -8,7 +8,7 @@ import pytest
 from cute_compile import compile_in_subprocess
 
 BODY = """
-from distnorm.kernels.barrier_test_kernel import compiled_barrier_rounds, compiled_primitives_smoke
+from barrier_kernel import compiled_barrier_rounds, compiled_primitives_smoke
 for world in (2, 4, 8):
     for barrier_only in (False, True):
         compiled_barrier_rounds(world, barrier_only)
@@ -23,15 +23,29 @@ def test_barrier_kernels_compile_sm90a():
 
 
 def test_region_layout_and_timeout(monkeypatch):
-    pytest.importorskip("cutlass")
-    from distnorm.kernels import sync
+    from distnorm.collectives import layout
+    from distnorm.collectives.plan import Tuning
 
-    assert sync.BARRIER_REGION_WORDS == sync.MAX_CTAS * (1 + sync.MAX_WORLD)
-    assert sync.region_word(2) == 2 * sync.BARRIER_REGION_WORDS
-    monkeypatch.delenv(sync.TIMEOUT_ENV, raising=False)
-    assert sync.timeout_ns() == int(sync.DEFAULT_TIMEOUT_S * 1e9)
-    monkeypatch.setenv(sync.TIMEOUT_ENV, "2.5")
-    assert sync.timeout_ns() == 2_500_000_000
-    assert sync.timeout_ns(1) == 1_000_000_000
-    with pytest.raises(ValueError):
-        sync.timeout_ns(0)
+    assert layout.REGION_WORDS == layout.MAX_CTAS * (1 + layout.MAX_WORLD)
+    assert layout.region_word(2) == 2 * layout.REGION_WORDS
+    assert layout.DEVICE_ERROR_WORD == layout.region_word(layout.REGION_DEVICE_ERROR)
+    regions = [layout.REGION_BARRIER_TEST, layout.REGION_ONESHOT, layout.REGION_TWOSHOT,
+               layout.REGION_LAMPORT, layout.REGION_DEVICE_ERROR]
+    assert sorted(set(regions)) == regions  # one region each, in order
+    layout.check_signal_pad(layout.MIN_SIGNAL_BYTES, 8, 1024)
+    with pytest.raises(ValueError, match="signal pad"):
+        layout.check_signal_pad(layout.MIN_SIGNAL_BYTES - 4, 2)
+    with pytest.raises(ValueError, match="at most 8 ranks"):
+        layout.check_signal_pad(1 << 20, 9)
+    monkeypatch.delenv("DISTNORM_BARRIER_TIMEOUT_S", raising=False)
+    monkeypatch.delenv("DISTNORM_PDL", raising=False)
+    assert Tuning.from_env() == Tuning() and Tuning().timeout_ns == 10_000_000_000
+    monkeypatch.setenv("DISTNORM_BARRIER_TIMEOUT_S", "2.5")
+    monkeypatch.setenv("DISTNORM_PDL", "0")
+    assert Tuning.from_env().timeout_ns == 2_500_000_000 and not Tuning.from_env().pdl
+    assert Tuning(timeout_s=1).timeout_ns == 1_000_000_000
+    with pytest.raises(ValueError, match="timeout_s"):
+        Tuning(timeout_s=0)
+    monkeypatch.setenv("DISTNORM_BARRIER_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="DISTNORM_BARRIER_TIMEOUT_S"):
+        Tuning.from_env()

@@ -27,11 +27,13 @@ import math
 import socket
 import sys
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from distnorm.comm._views import tensor_from_ptr
 from distnorm.comm.bootstrap import Bootstrap, resolve_bootstrap
-from distnorm.comm.errors import ERROR_NAMES, ERROR_NONE, CommTimeoutError
+from distnorm.collectives.layout import (DEVICE_ERROR_WORD, ERR_CODE, ERR_EPOCH, ERR_PEER,
+                                         ERROR_NAMES, ERROR_NONE, ERROR_WORDS)
+from distnorm.comm.errors import CommTimeoutError
 from distnorm.launch.env import apply_no_multicast_env
 
 __all__ = ["Workspace", "BACKENDS"]
@@ -40,7 +42,6 @@ log = logging.getLogger(__name__)
 
 #: backend names, in the order ``backend="auto"`` tries them
 BACKENDS = ("vmm", "torch_symm", "nvshmem")
-_ERROR_WORDS = 4
 
 
 def _backend_class(name: str) -> Any:
@@ -153,6 +154,7 @@ class Workspace:
                  timeout_s: float = 120.0) -> None:
         self._closed = True  # until fully built: __del__ of a failed __init__ stays quiet
         self._impl: Any = None
+        self._op_state: dict[str, Any] = {}
         self.buffer_bytes = _positive_int("buffer_bytes", buffer_bytes)
         self.signal_bytes = _positive_int("signal_bytes", signal_bytes)
         if not isinstance(backend, str):
@@ -182,7 +184,7 @@ class Workspace:
         self.buffer_ptrs: Any = None
         self.signal_ptrs: Any = None
         with torch.cuda.device(self.device_index):
-            self.error_flag = _pinned_zeros(_ERROR_WORDS)
+            self.error_flag = _pinned_zeros(ERROR_WORDS)
             problem = _topology_problem(boot, self.device_index)
             self.single_node = problem is None or not problem.startswith("group spans")
             if problem is None:
@@ -243,10 +245,19 @@ class Workspace:
         """``error_flag`` as an int32 CUDA tensor of the local device (same pinned memory, UVA)."""
         view = self.__dict__.get("_error_flag_device")
         if view is None:  # owner: the pinned tensor, not self (no reference cycle)
-            view = tensor_from_ptr(self.error_flag_ptr, _ERROR_WORDS * 4, self.device,
+            view = tensor_from_ptr(self.error_flag_ptr, ERROR_WORDS * 4, self.device,
                                    owner=self.error_flag).view(self._torch.int32)
             self._error_flag_device = view
         return view
+
+    def op_state(self, name: str, factory: Callable[[], Any]) -> Any:
+        """The state op family ``name`` keeps for this workspace (``factory()`` on first use, e.g.
+        the all-reduce ops' AllReduceState). Dropped by ``close()``; it must not refer back to the
+        workspace."""
+        state = self._op_state.get(name)
+        if state is None:
+            state = self._op_state[name] = factory()
+        return state
 
     def _require_mapped(self) -> None:
         if self._closed:
@@ -308,7 +319,8 @@ class Workspace:
     # --- device-side errors ----------------------------------------------------------------
     def raise_if_failed(self) -> None:
         """Raise CommTimeoutError if a kernel recorded an error (synchronize the stream first)."""
-        code, peer, epoch = (int(x) for x in self.error_flag[:3].tolist())
+        words = self.error_flag.tolist()
+        code, peer, epoch = words[ERR_CODE], words[ERR_PEER], words[ERR_EPOCH]
         if code == ERROR_NONE:
             return
         name = ERROR_NAMES.get(code, f"error code {code}")
@@ -319,9 +331,8 @@ class Workspace:
             code=code, rank=self.rank, peer=peer, epoch=epoch)
 
     def reset_error(self) -> None:
-        """Zero ``error_flag`` and this rank's device-side error word (errors.DEVICE_ERROR_WORD)."""
+        """Zero ``error_flag`` and this rank's device error word (layout.DEVICE_ERROR_WORD)."""
         self.error_flag.zero_()
-        from .errors import DEVICE_ERROR_WORD
         if (self._impl is not None and not self._closed
                 and (DEVICE_ERROR_WORD + 1) * 4 <= self.signal_bytes):  # else no kernel can run
             pad = self.peer_signal(self.rank)
@@ -339,6 +350,7 @@ class Workspace:
 
         impl, self._impl = self._impl, None
         self.buffer_ptrs = self.signal_ptrs = None
+        self._op_state.clear()
         if impl is not None:
             with torch.cuda.device(self.device_index):  # driver calls need our context current
                 torch.cuda.synchronize(self.device_index)  # no kernel may still use the mappings

@@ -25,13 +25,13 @@ One kernel class, three compile-time algorithms:
   Buffer: scatter [N][S][H] T, then gather h [N*S][H] T, then (optional) gather acc [N*S][H] T.
 
 - "lamport" (latency, no barrier): one-shot whose readers poll the data itself. Three rotating
-  areas (kernels/lamport.py: layout, sentinel); call c pushes its sanitized rows into area c mod 3,
+  areas (collectives/layout.py; sentinel: kernels/lamport.py); call c pushes its sanitized rows into area c mod 3,
   slot `rank`, of every other rank with 128-bit volatile stores, polls its local area until no word
   of the peers' slots is the sentinel (the residual and weight loads are issued before the polls),
   sums in rank order as one-shot (own rows from x), and refills the peers' slots of the previous
   call's area with the sentinel (the own slot is never written and stays sentinel).
   The area index lives in the signal pad (NOTE [lamport call state], NOTE [lamport clearing] below).
-  The buffer-pointer table is lamport.area_ptr_table: entry k * N + s = rank s's area k.
+  The buffer-pointer table has LAMPORT_AREAS * N entries: entry k * N + s = rank s's area k.
 
 NOTE [programmatic dependent launch]
 With `pdl` the kernel is launched with the programmatic-stream-serialization attribute: it may be
@@ -58,17 +58,18 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from distnorm.comm.errors import DEVICE_ERROR_WORD
-from distnorm.kernels import lamport  # absolute imports: the 4.3.5 DSL preprocessor needs them
-from distnorm.kernels.norm_quant import VEC, NormQuantCore, QuantParams, RowTiling
-from distnorm.kernels.sync import (BARRIER_REGION_WORDS, SPIN_CHECK_MASK, cta_barrier,
+# absolute imports: the 4.3.5 DSL preprocessor needs them
+from distnorm.collectives.layout import (DEVICE_ERROR_WORD, LAMPORT_SENTINEL_I32, LAMPORT_W_AREA,
+                                         LAMPORT_W_ARRIVE, LAMPORT_W_VECS, REGION_LAMPORT,
+                                         region_word)
+from distnorm.collectives.plan import ALGORITHMS
+from distnorm.formats import VEC, QuantSpec
+from distnorm.kernels.lamport import sanitize_word
+from distnorm.kernels.norm_quant import NormQuantCore, RowTiling
+from distnorm.kernels.sync import (SPIN_CHECK_MASK, atom_add_acq_rel_gpu_u32, cta_barrier,
                                    globaltimer_ns, ld_volatile_sys_u32, ld_volatile_sys_v4_u32,
                                    record_timeout, st_volatile_sys_v4_u32, st_volatile_u32)
 
-ALGOS = ("oneshot", "twoshot", "lamport")
-# signal-pad regions (sync.py): region 0 is the barrier self-test kernel's, one-shot takes 1 and
-# two-shot 2 (barriers; never shared between algorithms); lamport keeps its call state in region 3
-REGION = {"oneshot": 1, "twoshot": 2, "lamport": lamport.REGION}
 
 
 class AllReduceAddRMSNormQuant:
@@ -77,10 +78,10 @@ class AllReduceAddRMSNormQuant:
     Run-time: M (rows of x), rank, grid size, eps, timeout, the peer-pointer tables.
     """
 
-    def __init__(self, algo: str, world: int, tiling: RowTiling, quant: QuantParams,
+    def __init__(self, algo: str, world: int, tiling: RowTiling, quant: QuantSpec,
                  has_residual: bool, gemma: bool, write_y: bool, write_allreduce: bool,
                  pdl: bool = False):
-        assert algo in ALGOS, algo
+        assert algo in ALGORITHMS, algo
         assert tiling.cluster_n == 1, "the all-reduce kernels use one CTA per row group"
         self.algo = algo
         self.world = world
@@ -91,14 +92,15 @@ class AllReduceAddRMSNormQuant:
         self.pdl = pdl  # NOTE [programmatic dependent launch]
         # two-shot gathers T(acc) separately only when it differs from the gathered h
         self.gather_acc = write_allreduce and has_residual
-        self.region_word = REGION[algo] * BARRIER_REGION_WORDS
+        # signal-pad region: one-shot's / two-shot's barrier, lamport's call state
+        self.region_word = region_word(ALGORITHMS[algo].region)
         self.core = NormQuantCore(tiling, quant, gemma, write_y)
 
     # ---- host side -----------------------------------------------------------------------------
     @cute.jit
     def __call__(self, mX: cute.Tensor, mR, mRout, mW: cute.Tensor, mY, mQ, mS, mScale, mGS, mAR,
                  mBuf: cute.Tensor, mSig: cute.Tensor, mErr: cute.Tensor, rank: Int32,
-                 max_ctas: Int32, eps: Float32, timeout_ns: Int64, stream):
+                 max_ctas: Int32, eps: Float32, timeout: Int64, stream):
         t = self.t
         m = mX.shape[0]
         rows = m
@@ -114,7 +116,7 @@ class AllReduceAddRMSNormQuant:
         if blocks < 1:
             blocks = Int32(1)
         self.kernel(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr, rank, eps,
-                    timeout_ns, rows, slice_rows, groups).launch(
+                    timeout, rows, slice_rows, groups).launch(
             grid=[blocks, 1, 1],
             block=[t.threads, 1, 1],
             stream=stream,
@@ -124,28 +126,11 @@ class AllReduceAddRMSNormQuant:
     # ---- device helpers --------------------------------------------------------------------------
     @cute.jit
     def _row_view(self, base: Int64, elem_offset: Int64, dtype: cutlass.Constexpr):
-        """[H] tensor of `dtype` at byte address base + 2 * elem_offset, tiled in 8-element vectors."""
-        ptr = cute.make_ptr(dtype, base + elem_offset * 2, cute.AddressSpace.gmem, assumed_align=16)
+        """[H] tensor of `dtype` at byte address base + elem_offset elements, tiled in vectors."""
+        ptr = cute.make_ptr(dtype, base + elem_offset * (dtype.width // 8), cute.AddressSpace.gmem,
+                            assumed_align=16)
         row = cute.make_tensor(ptr, cute.make_layout((self.t.hidden,), stride=(1,)))
         return cute.zipped_divide(row, (VEC,))
-
-    @cute.jit
-    def _load_row(self, dst, tSrc, lane: Int32):
-        """dst (register fragment of T) <- this thread's vectors of the tiled row tSrc."""
-        t = self.t
-        for j in cutlass.range_constexpr(t.vecs_per_thread):
-            v = lane + j * t.threads_per_row
-            if const_expr(t.exact) or v < t.vecs_per_cta_row:
-                self.core._slice(dst, j).store(tSrc[(None, v)].load())
-
-    @cute.jit
-    def _store_row(self, src, tDst, lane: Int32, dtype: cutlass.Constexpr):
-        """this thread's vectors of the tiled row tDst <- src (register fragment), converted to dtype."""
-        t = self.t
-        for j in cutlass.range_constexpr(t.vecs_per_thread):
-            v = lane + j * t.threads_per_row
-            if const_expr(t.exact) or v < t.vecs_per_cta_row:
-                tDst[(None, v)].store(self.core._slice(src, j).load().to(dtype))
 
     @cute.jit
     def _sum_slots(self, rH, rT, base: Int64, slot_elems: Int64, row_elem: Int64, own: Int64,
@@ -154,10 +139,10 @@ class AllReduceAddRMSNormQuant:
         slot `rank` read from address `own` instead (this rank's own row: never sent to itself)."""
         dtype = rT.element_type
         for s in cutlass.range_constexpr(self.world):
-            src = base + (slot_elems * s + row_elem) * Int64(2)
+            src = base + (slot_elems * s + row_elem) * Int64(dtype.width // 8)
             if Int32(s) == rank:
                 src = own
-            self._load_row(rT, self._row_view(src, Int64(0), dtype), lane)
+            self.core.load_row(rT, self._row_view(src, Int64(0), dtype), lane)
             if const_expr(s == 0):
                 rH.store(rT.load().to(Float32))
             else:
@@ -176,10 +161,10 @@ class AllReduceAddRMSNormQuant:
         """After a row's ordered sum (rH = float32 acc, rR = its residual): T(acc) -> allreduce_out,
         h -> residual_out; rH is left holding float(h) for the epilogue."""
         if const_expr(self.write_allreduce):
-            self._store_row(rH, cute.zipped_divide(mAR[row, None], (VEC,)), lane, dtype)
+            self.core.store_row(rH, cute.zipped_divide(mAR[row, None], (VEC,)), lane, dtype)
         self._add_residual(rH, rR, dtype)
         if const_expr(self.has_residual):
-            self._store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype)
+            self.core.store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype)
 
     @staticmethod
     def _row_addr(mT, row) -> Int64:
@@ -207,31 +192,31 @@ class AllReduceAddRMSNormQuant:
         return bufs, rT, rR, rH, static_inv, global_scale, rW
 
     @cute.jit
-    def _barrier(self, mSig, rank: Int32, bidx: Int32, timeout_ns: Int64, mErr):
-        cta_barrier(mSig, rank, self.world, self.region_word, bidx, timeout_ns, mErr)
+    def _barrier(self, mSig, rank: Int32, bidx: Int32, timeout: Int64, mErr):
+        cta_barrier(mSig, rank, self.world, self.region_word, bidx, timeout, mErr)
 
     # ---- the kernel ------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mR, mRout, mW: cute.Tensor, mY, mQ, mS, mScale, mGS, mAR,
                mBuf: cute.Tensor, mSig: cute.Tensor, mErr: cute.Tensor, rank: Int32, eps: Float32,
-               timeout_ns: Int64, rows: Int32, slice_rows: Int32, groups: Int32):
+               timeout: Int64, rows: Int32, slice_rows: Int32, groups: Int32):
         if const_expr(self.pdl):
             # NOTE [programmatic dependent launch]
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         if const_expr(self.algo == "oneshot"):
             self._oneshot(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr, rank,
-                          eps, timeout_ns, rows, groups)
+                          eps, timeout, rows, groups)
         if const_expr(self.algo == "lamport"):
             self._lamport(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr, rank,
-                          eps, timeout_ns, rows, groups)
+                          eps, timeout, rows, groups)
         if const_expr(self.algo == "twoshot"):
             self._twoshot(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr, rank,
-                          eps, timeout_ns, rows, slice_rows, groups)
+                          eps, timeout, rows, slice_rows, groups)
 
     @cute.jit
     def _oneshot(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
-                 rank: Int32, eps: Float32, timeout_ns: Int64, rows: Int32, groups: Int32):
+                 rank: Int32, eps: Float32, timeout: Int64, rows: Int32, groups: Int32):
         t = self.t
         dtype = mX.element_type
         _, bidx, nblk, row_in_cta, lane = self._indices()
@@ -247,12 +232,12 @@ class AllReduceAddRMSNormQuant:
         for g in range(bidx, groups, nblk):
             row = g * t.rows_per_cta + row_in_cta
             if row < m:
-                self._load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
+                self.core.load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
                 off = slot_elems * Int64(rank) + Int64(row) * hidden
                 for s in cutlass.range_constexpr(self.world):
                     if Int32(s) != rank:
-                        self._store_row(rT, self._row_view(mBuf[s], off, dtype), lane, dtype)
-        self._barrier(mSig, rank, bidx, timeout_ns, mErr)
+                        self.core.store_row(rT, self._row_view(mBuf[s], off, dtype), lane, dtype)
+        self._barrier(mSig, rank, bidx, timeout, mErr)
 
         # phase 2: ordered float32 sum of the N slots, residual add, epilogue
         base = mBuf[rank]
@@ -262,7 +247,7 @@ class AllReduceAddRMSNormQuant:
             rH.fill(0.0)
             if row_valid:
                 if const_expr(self.has_residual):
-                    self._load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
+                    self.core.load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
                 self._sum_slots(rH, rT, base, slot_elems, Int64(row) * hidden,
                                 self._row_addr(mX, row), rank, lane)
                 self._finish_row(rH, rR, mAR, mRout, row, lane, dtype)
@@ -270,11 +255,11 @@ class AllReduceAddRMSNormQuant:
                                mY, mQ, mS, static_inv, global_scale, bufs, rW)
             cute.arch.barrier()  # the next group's reductions reuse the shared-memory partials
         # nobody may overwrite a slot (next call) that a peer still reads
-        self._barrier(mSig, rank, bidx, timeout_ns, mErr)
+        self._barrier(mSig, rank, bidx, timeout, mErr)
 
     @cute.jit
     def _twoshot(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
-                 rank: Int32, eps: Float32, timeout_ns: Int64, rows: Int32, slice_rows: Int32,
+                 rank: Int32, eps: Float32, timeout: Int64, rows: Int32, slice_rows: Int32,
                  groups: Int32):
         t = self.t
         dtype = mX.element_type
@@ -297,10 +282,10 @@ class AllReduceAddRMSNormQuant:
             for s in cutlass.range_constexpr(self.world):
                 row = s * slice_rows + i
                 if (i < slice_rows) & (row < m) & (Int32(s) != rank):
-                    self._load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
+                    self.core.load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
                     off = slot_elems * Int64(rank) + Int64(i) * hidden
-                    self._store_row(rT, self._row_view(mBuf[s], off, dtype), lane, dtype)
-        self._barrier(mSig, rank, bidx, timeout_ns, mErr)
+                    self.core.store_row(rT, self._row_view(mBuf[s], off, dtype), lane, dtype)
+        self._barrier(mSig, rank, bidx, timeout, mErr)
 
         # phase 2: reduce my slice, residual add, push T(h) (and T(acc)) to the other ranks' gather
         # areas, then finish my slice's rows here: their epilogue overlaps the NVLink traffic
@@ -317,28 +302,28 @@ class AllReduceAddRMSNormQuant:
                 if const_expr(self.gather_acc):
                     rA.store(rH.load())
                 if const_expr(self.has_residual):
-                    self._load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
+                    self.core.load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
                 self._add_residual(rH, rR, dtype)
                 for s in cutlass.range_constexpr(self.world):
                     if Int32(s) != rank:
                         peer = mBuf[s]
-                        self._store_row(rH, self._row_view(peer, gather_h + Int64(row) * hidden,
+                        self.core.store_row(rH, self._row_view(peer, gather_h + Int64(row) * hidden,
                                                            dtype), lane, dtype)
                         if const_expr(self.gather_acc):
-                            self._store_row(rA, self._row_view(peer, gather_a + Int64(row) * hidden,
+                            self.core.store_row(rA, self._row_view(peer, gather_a + Int64(row) * hidden,
                                                                dtype), lane, dtype)
                 if const_expr(self.has_residual):
-                    self._store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype)
+                    self.core.store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype)
                 if const_expr(self.write_allreduce):
                     src = rH
                     if const_expr(self.gather_acc):
                         src = rA
-                    self._store_row(src, cute.zipped_divide(mAR[row, None], (VEC,)), lane, dtype)
+                    self.core.store_row(src, cute.zipped_divide(mAR[row, None], (VEC,)), lane, dtype)
             self.core.epilogue(rH, row, row_valid, (i < slice_rows) & (row < rows), lane,
                                row_in_cta, Int32(0), eps, mW, mY, mQ, mS, static_inv,
                                global_scale, bufs, rW)
             cute.arch.barrier()  # shared-memory partials are reused by the next row
-        self._barrier(mSig, rank, bidx, timeout_ns, mErr)
+        self._barrier(mSig, rank, bidx, timeout, mErr)
 
         # phase 3: the other ranks' slices: full rows of gathered h -> residual_out, allreduce_out,
         # epilogue
@@ -350,28 +335,28 @@ class AllReduceAddRMSNormQuant:
                     row_valid = (i < slice_rows) & (row < m)
                     rH.fill(0.0)
                     if row_valid:
-                        self._load_row(rT, self._row_view(base, gather_h + Int64(row) * hidden,
+                        self.core.load_row(rT, self._row_view(base, gather_h + Int64(row) * hidden,
                                                           dtype), lane)
                         rH.store(rT.load().to(Float32))
                         if const_expr(self.has_residual):
-                            self._store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane,
+                            self.core.store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane,
                                             dtype)
                         if const_expr(self.write_allreduce):
                             if const_expr(self.gather_acc):
-                                self._load_row(rT, self._row_view(
+                                self.core.load_row(rT, self._row_view(
                                     base, gather_a + Int64(row) * hidden, dtype), lane)
-                            self._store_row(rT, cute.zipped_divide(mAR[row, None], (VEC,)), lane,
+                            self.core.store_row(rT, cute.zipped_divide(mAR[row, None], (VEC,)), lane,
                                             dtype)
                     self.core.epilogue(rH, row, row_valid, (i < slice_rows) & (row < rows), lane,
                                        row_in_cta, Int32(0), eps, mW, mY, mQ, mS, static_inv,
                                        global_scale, bufs, rW)
                     cute.arch.barrier()  # shared-memory partials are reused by the next row
-        self._barrier(mSig, rank, bidx, timeout_ns, mErr)
+        self._barrier(mSig, rank, bidx, timeout, mErr)
 
     # ---- lamport one-shot ------------------------------------------------------------------------
     # NOTE [lamport call state]
     # Area index k (0, 1, 2) of a call, the rows each area last held, and an arrival counter live in
-    # this rank's signal pad (lamport.REGION), never in kernel arguments, so CUDA-graph replays and
+    # this rank's signal pad (layout.REGION_LAMPORT), never in kernel arguments, so CUDA-graph replays and
     # back-to-back launches continue from the stored state. The grid changes with M, so a per-CTA
     # counter would drift between CTA indices; instead every thread reads k at its start, and after
     # its pushes (bar.sync: all threads of the CTA have read k) thread 0 arrives on the counter
@@ -403,14 +388,15 @@ class AllReduceAddRMSNormQuant:
     # never writes more than one area (max_chunk_rows("lamport")). oneshot / twoshot do not touch the lamport areas.
     @cute.jit
     def _lamport(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
-                 rank: Int32, eps: Float32, timeout_ns: Int64, rows: Int32, groups: Int32):
+                 rank: Int32, eps: Float32, timeout: Int64, rows: Int32, groups: Int32):
         t = self.t
         world = self.world
         dtype = mX.element_type
         tidx, bidx, nblk, row_in_cta, lane = self._indices()
         m = mX.shape[0]
         hidden = Int64(t.hidden)
-        slot_bytes = Int64(m) * hidden * Int64(2)  # one slot: this call's M rows of T
+        elem_bytes = Int64(dtype.width // 8)
+        slot_bytes = Int64(m) * hidden * elem_bytes  # one slot: this call's M rows of T
         nv = t.vecs_per_thread
 
         bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
@@ -424,13 +410,13 @@ class AllReduceAddRMSNormQuant:
         # accesses): at one row per CTA the two latencies overlap instead of adding up
         row0 = bidx * t.rows_per_cta + row_in_cta
         if row0 < m:
-            self._load_row(rT, cute.zipped_divide(mX[row0, None], (VEC,)), lane)
+            self.core.load_row(rT, cute.zipped_divide(mX[row0, None], (VEC,)), lane)
 
         # call state (NOTE [lamport call state])
-        state = mSig[rank] + Int64((lamport.REGION * BARRIER_REGION_WORDS) * 4)
-        area_addr = state + Int64(lamport.W_AREA * 4)
-        arrive_addr = state + Int64(lamport.W_ARRIVE * 4)
-        rows_addr = state + Int64(lamport.W_ROWS * 4)
+        state = mSig[rank] + Int64(region_word(REGION_LAMPORT) * 4)
+        area_addr = state + Int64(LAMPORT_W_AREA * 4)
+        arrive_addr = state + Int64(LAMPORT_W_ARRIVE * 4)
+        rows_addr = state + Int64(LAMPORT_W_VECS * 4)
         k = ld_volatile_sys_u32(area_addr)
         kw = k * Int32(world)
 
@@ -441,10 +427,10 @@ class AllReduceAddRMSNormQuant:
             row = g * t.rows_per_cta + row_in_cta
             if row < m:
                 if g != bidx:  # the first row is already loaded
-                    self._load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
+                    self.core.load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
                 for i in cutlass.range_constexpr(nv * 4):
-                    rTw[i] = lamport.sanitize_word(rTw[i])
-                off = slot_bytes * Int64(rank) + Int64(row) * hidden * Int64(2)
+                    rTw[i] = sanitize_word(rTw[i])
+                off = slot_bytes * Int64(rank) + Int64(row) * hidden * elem_bytes
                 for s in cutlass.range_constexpr(world):
                     if Int32(s) != rank:
                         dst = mBuf[kw + Int32(s)] + off
@@ -458,7 +444,7 @@ class AllReduceAddRMSNormQuant:
         # arrive after the pushes are issued, so the atomic is off their critical path
         cute.arch.barrier()  # every thread of this CTA has read k
         if tidx == 0:
-            old = lamport.atom_add_acq_rel_gpu_u32(arrive_addr, Int32(1))
+            old = atom_add_acq_rel_gpu_u32(arrive_addr, Int32(1))
             if old == Int32(nblk) - Int32(1):  # the last CTA of this launch
                 nxt = k + Int32(1)
                 if nxt >= Int32(3):
@@ -475,7 +461,7 @@ class AllReduceAddRMSNormQuant:
             prev = prev - Int32(3)
         vecs_prev = ld_volatile_sys_u32(rows_addr + Int64(prev) * Int64(4))
         clear_base = mBuf[prev * Int32(world) + rank]
-        sent = Int32(lamport.SENTINEL_I32)
+        sent = Int32(LAMPORT_SENTINEL_I32)
         for s in cutlass.range_constexpr(world):
             if Int32(s) != rank:
                 slot_base = clear_base + Int64(s) * Int64(vecs_prev) * Int64(16)
@@ -493,8 +479,8 @@ class AllReduceAddRMSNormQuant:
             rH.fill(0.0)
             if row_valid:
                 if const_expr(self.has_residual):  # issued before the polls: off the critical path
-                    self._load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
-                row_off = base + Int64(row) * hidden * Int64(2)
+                    self.core.load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
+                row_off = base + Int64(row) * hidden * elem_bytes
                 own = self._row_addr(mX, row)
                 pending = Int32(1)
                 missing = Int32(0)
@@ -530,7 +516,7 @@ class AllReduceAddRMSNormQuant:
                             if ld_volatile_sys_u32(dev_err_addr) != Int32(0):
                                 pending = Int32(0)  # someone already timed out: stop too
                             else:
-                                if globaltimer_ns() - t0 > timeout_ns:
+                                if globaltimer_ns() - t0 > timeout:
                                     record_timeout(err_addr, dev_err_addr, missing, k)
                                     pending = Int32(0)
                 rH.store(cute.make_tensor(rAllT.iterator, cute.make_layout(nv * VEC)).load()

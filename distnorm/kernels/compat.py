@@ -23,11 +23,6 @@ def sym_int(width: int = 32, divisibility: int = 1):
     return cute.sym_int(width, divisibility=divisibility)
 
 
-def target_arch() -> str | None:
-    """The arch to compile for when there is no GPU (CI): CUTE_DSL_ARCH, e.g. sm_90a."""
-    return os.environ.get("CUTE_DSL_ARCH")
-
-
 def compile_tvm_ffi(fn, *args):
     """cute.compile with the TVM-FFI calling convention (~3.5 us per call instead of ~40 us)."""
     return cute.compile(fn, *args, options="--enable-tvm-ffi" + (" --keep-ptx" if os.environ.get("DISTNORM_KEEP_PTX") else ""))

@@ -21,7 +21,8 @@ from cutlass import Float32
 
 from distnorm.kernels import compat
 from distnorm.kernels.fused_norm import FusedAddRMSNormQuant
-from distnorm.kernels.norm_quant import QuantParams, choose_tiling
+from distnorm.formats import QuantSpec
+from distnorm.kernels.norm_quant import choose_tiling
 
 CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -32,32 +33,34 @@ def fake_rows(dtype, cols: int, m, align: int = 16, row_div: int = 8):
                                    assumed_align=align)
 
 
-def fake_scales(quant: QuantParams, hidden: int, m):
+def fake_scales(quant: QuantSpec, hidden: int, m):
     """Fake scale tensor for `quant` (None when the format has no scale output)."""
-    if quant.kind == "fp8_per_token":
+    scales = quant.info.scales
+    if scales == "row":
         return compat.make_fake_tensor(Float32, (m, 1), (1, 1), assumed_align=4)
-    if quant.kind == "fp8_per_group":
-        groups = hidden // quant.block
+    if scales == "group":
+        groups = hidden // quant.group_size
         stride = (1, compat.sym_int(64)) if quant.col_major else (groups, 1)
         return compat.make_fake_tensor(Float32, (m, groups), stride, assumed_align=4)
-    if quant.kind in ("nvfp4", "mxfp8", "mxfp4"):
+    if scales == "block":
         if quant.swizzled:
             return compat.make_fake_tensor(cutlass.Uint8, (compat.sym_int(32),), (1,), assumed_align=4)
-        k = hidden // quant.block
+        k = hidden // quant.group_size
         return compat.make_fake_tensor(cutlass.Uint8, (m, k), (k, 1), assumed_align=1)
     return None
 
 
-def fake_q(quant: QuantParams, hidden: int, m):
-    if quant.kind == "none":
+def fake_q(quant: QuantSpec, hidden: int, m):
+    if quant.info.scales == "none":
         return None
-    words = hidden // 8 if quant.fp4 else hidden // 4
+    fp4 = quant.packed_fp4
+    words = hidden // 8 if fp4 else hidden // 4
     return compat.make_fake_tensor(cutlass.Int32, (m, words),
-                                   (compat.sym_int(64, divisibility=1 if quant.fp4 else 2), 1),
-                                   assumed_align=4 if quant.fp4 else 8)
+                                   (compat.sym_int(64, divisibility=1 if fp4 else 2), 1),
+                                   assumed_align=4 if fp4 else 8)
 
 
-def fake_norm_quant_args(cdtype, hidden: int, quant: QuantParams, has_residual: bool, write_y: bool, m):
+def fake_norm_quant_args(cdtype, hidden: int, quant: QuantSpec, has_residual: bool, write_y: bool, m):
     """Fake (x, residual, residual_out, weight, y, q, scales, scale, global_scale) for m rows: the
     arguments every fused kernel takes, None where the variant does not use one."""
     x = fake_rows(cdtype, hidden, m)
@@ -67,17 +70,18 @@ def fake_norm_quant_args(cdtype, hidden: int, quant: QuantParams, has_residual: 
     y = fake_rows(cdtype, hidden, m) if write_y else None
     q = fake_q(quant, hidden, m)
     s = fake_scales(quant, hidden, m)
-    scale = compat.make_fake_tensor(Float32, (1,), (1,), assumed_align=4) if quant.kind == "fp8" else None
-    gs = compat.make_fake_tensor(Float32, (1,), (1,), assumed_align=4) if quant.kind == "nvfp4" else None
+    scalar = quant.info.scalar
+    scale = compat.make_fake_tensor(Float32, (1,), (1,), assumed_align=4) if scalar == "scale" else None
+    gs = compat.make_fake_tensor(Float32, (1,), (1,), assumed_align=4) if scalar == "global_scale" else None
     return x, res, res_out, w, y, q, s, scale, gs
 
 
 @functools.cache
-def compiled_fused_norm(dtype: str, hidden: int, quant: QuantParams, has_residual: bool, gemma: bool,
+def compiled_fused_norm(dtype: str, hidden: int, quant: QuantSpec, has_residual: bool, gemma: bool,
                         write_y: bool, cluster_n: int = 1) -> Callable:
     """The compiled single-GPU kernel; call as f(x, res, res_out, w, y, q, scales, scale, gs, eps)."""
     cdtype = CUTE_DTYPES[dtype]
-    tiling = choose_tiling(hidden, cluster_n, quant.block)
+    tiling = choose_tiling(hidden, cluster_n, quant.group_size)
     kernel = FusedAddRMSNormQuant(tiling, quant, has_residual, gemma, write_y)
     args = fake_norm_quant_args(cdtype, hidden, quant, has_residual, write_y, compat.sym_int(32))
     stream = compat.make_fake_stream(use_tvm_ffi_env_stream=True)

@@ -9,8 +9,8 @@ Call the result as
       rank, max_ctas, eps, timeout_ns)
 with the tensor conventions of kernels/compile.py plus: ar_out [M, H] T (plain all-reduce output),
 buffer_ptrs / signal_ptrs int64 [world] (device), err int32 [4] (device-visible error words).
-For algo "lamport", buffer_ptrs is int64 [3 * world]: lamport.area_ptr_table (entry k * world + s =
-rank s's area k), and the data buffer must have been prepared with lamport.reset.
+For algo "lamport", buffer_ptrs is int64 [3 * world] (entry k * world + s = rank s's area k) and the
+areas must hold the sentinel (distnorm.collectives.state prepares both).
 """
 from __future__ import annotations
 
@@ -24,23 +24,15 @@ from cutlass import Float32, Int32, Int64
 from distnorm.kernels import compat
 from distnorm.kernels.allreduce import AllReduceAddRMSNormQuant
 from distnorm.kernels.compile import CUTE_DTYPES, fake_norm_quant_args, fake_rows
-from distnorm.kernels.norm_quant import QuantParams, RowTiling, choose_tiling
+from distnorm.collectives.plan import ALGORITHMS
+from distnorm.formats import QuantSpec
+from distnorm.kernels.norm_quant import RowTiling, choose_tiling
 
 
-def buffer_elems(algo: str, world: int, m: int, hidden: int, swizzled: bool,
-                 gather_acc: bool) -> int:
-    """Elements of T one call with m rows uses in the data buffer (see kernels/allreduce.py)."""
-    rows = (m + 127) // 128 * 128 if swizzled else m
-    if algo in ("oneshot", "lamport"):  # lamport: per area (three of them, see kernels/lamport.py)
-        return world * m * hidden
-    s = -(-rows // world)
-    return world * s * hidden * (2 + (1 if gather_acc else 0))
-
-
-def allreduce_tiling(hidden: int, quant: QuantParams, rows_per_cta: int = 0) -> RowTiling:
+def allreduce_tiling(hidden: int, quant: QuantSpec, rows_per_cta: int = 0) -> RowTiling:
     """Thread layout of the all-reduce kernels: choose_tiling's, with rows_per_cta overridden when
     given (> 0)."""
-    t = choose_tiling(hidden, 1, quant.block)
+    t = choose_tiling(hidden, 1, quant.group_size)
     if rows_per_cta > 0:
         t = dataclasses.replace(t, rows_per_cta=rows_per_cta)
     return t
@@ -54,7 +46,7 @@ def co_resident_ctas_per_sm(tiling: RowTiling) -> int:
 
 
 @functools.cache
-def compiled_allreduce(algo: str, world: int, dtype: str, hidden: int, quant: QuantParams,
+def compiled_allreduce(algo: str, world: int, dtype: str, hidden: int, quant: QuantSpec,
                        has_residual: bool, gemma: bool, write_y: bool,
                        write_allreduce: bool, pdl: bool = False, rows_per_cta: int = 0) -> Callable:
     cdtype = CUTE_DTYPES[dtype]
@@ -65,7 +57,7 @@ def compiled_allreduce(algo: str, world: int, dtype: str, hidden: int, quant: Qu
     x, res, res_out, w, y, q, s, scale, gs = fake_norm_quant_args(cdtype, hidden, quant, has_residual,
                                                                   write_y, m)
     ar = fake_rows(cdtype, hidden, m) if write_allreduce else None
-    nptr = world * 3 if algo == "lamport" else world
+    nptr = world * ALGORITHMS[algo].ptr_tables
     bufp = compat.make_fake_tensor(cutlass.Int64, (nptr,), (1,), assumed_align=8)
     sigp = compat.make_fake_tensor(cutlass.Int64, (world,), (1,), assumed_align=8)
     err = compat.make_fake_tensor(cutlass.Int32, (4,), (1,), assumed_align=16)

@@ -9,13 +9,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from distnorm.kernels.norm_quant import VEC, NormQuantCore, QuantParams, RowTiling  # absolute: see compat.py
+from distnorm.formats import VEC, QuantSpec  # absolute imports: see compat.py
+from distnorm.kernels.norm_quant import NormQuantCore, RowTiling
 
 
 class FusedAddRMSNormQuant:
     """Compile-time settings live on the object; rows (M) and strides are run-time."""
 
-    def __init__(self, tiling: RowTiling, quant: QuantParams, has_residual: bool, gemma: bool,
+    def __init__(self, tiling: RowTiling, quant: QuantSpec, has_residual: bool, gemma: bool,
                  write_y: bool):
         self.t = tiling
         self.q = quant
@@ -62,33 +63,21 @@ class FusedAddRMSNormQuant:
         if const_expr(t.cluster_n > 1):
             cute.arch.cluster_wait()
 
-        nv = t.vecs_per_thread
         vbase = cta_rank * t.vecs_per_cta_row
         rX = self.core.zeros(mX.element_type)
         rR = self.core.zeros(mX.element_type)
         rH = self.core.zeros(Float32)
         # all loads first: residual_out may alias residual, so no store may precede a load
         if row_valid:
-            tX = cute.zipped_divide(mX[row, None], (VEC,))
-            for j in cutlass.range_constexpr(nv):
-                v = lane + j * t.threads_per_row
-                if const_expr(t.exact) or v < t.vecs_per_cta_row:
-                    self.core._slice(rX, j).store(tX[(None, vbase + v)].load())
+            self.core.load_row(rX, cute.zipped_divide(mX[row, None], (VEC,)), lane, vbase)
             if const_expr(self.has_residual):
-                tR = cute.zipped_divide(mR[row, None], (VEC,))
-                for j in cutlass.range_constexpr(nv):
-                    v = lane + j * t.threads_per_row
-                    if const_expr(t.exact) or v < t.vecs_per_cta_row:
-                        self.core._slice(rR, j).store(tR[(None, vbase + v)].load())
+                self.core.load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane, vbase)
         if const_expr(self.has_residual):
             # h = T(float(x) + float(res)), one rounding; the norm reads float(h)
             rH.store((rX.load().to(Float32) + rR.load().to(Float32)).to(mX.element_type).to(Float32))
             if row_valid:
-                tO = cute.zipped_divide(mRout[row, None], (VEC,))
-                for j in cutlass.range_constexpr(nv):
-                    v = lane + j * t.threads_per_row
-                    if const_expr(t.exact) or v < t.vecs_per_cta_row:
-                        tO[(None, vbase + v)].store(self.core._slice(rH, j).load().to(mX.element_type))
+                self.core.store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane,
+                                    mX.element_type, vbase)
         else:
             rH.store(rX.load().to(Float32))
 

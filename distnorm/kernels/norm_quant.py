@@ -18,41 +18,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from distnorm.formats import E2M1_MAX, E4M3_MAX, PER_TOKEN_MIN_AMAX, VEC, QuantSpec
 from distnorm.kernels import ptx
 
-VEC = 8  # elements per 16-byte vector of bf16/fp16
 MAX_THREADS = 512  # 1024-thread CTAs cap registers at 64 and spill; long rows use a cluster instead
-FP8_MAX = 448.0
-FP4_MAX = 6.0
-PER_TOKEN_MIN_AMAX = 1e-10  # docs/SEMANTICS.md: s = max(a, 1e-10) / 448
-
-
-@dataclass(frozen=True)
-class QuantParams:
-    """Compile-time description of the quantized output (a distnorm.formats.QuantSpec, flattened).
-
-    kind: "none" | "fp8" | "fp8_per_token" | "fp8_per_group" | "nvfp4" | "mxfp8" | "mxfp4".
-    block: elements per scale along H (per-group g, 16 for nvfp4, 32 for mx; 0 otherwise).
-    """
-
-    kind: str = "none"
-    block: int = 0
-    swizzled: bool = False
-    col_major: bool = False
-    ue8m0: bool = False
-
-    @property
-    def fp4(self) -> bool:
-        return self.kind in ("nvfp4", "mxfp4")
-
-    @property
-    def blocked(self) -> bool:
-        return self.kind in ("fp8_per_group", "nvfp4", "mxfp8", "mxfp4")
-
-    @property
-    def q_words_per_vec(self) -> int:
-        """int32 words of quantized output per 8-element vector."""
-        return 1 if self.fp4 else 2
 
 
 @dataclass(frozen=True)
@@ -114,13 +83,13 @@ class NormQuantCore:
     Built at trace time from compile-time values; its methods are called inside a @cute.kernel.
     """
 
-    def __init__(self, tiling: RowTiling, quant: QuantParams, gemma: bool, write_y: bool):
+    def __init__(self, tiling: RowTiling, quant: QuantSpec, gemma: bool, write_y: bool):
         self.t = tiling
         self.q = quant
         self.gemma = gemma
         self.write_y = write_y
-        if quant.blocked:
-            lanes = quant.block // VEC
+        if quant.grouped:
+            lanes = quant.group_size // VEC
             assert tiling.threads_per_row % lanes == 0 and lanes <= 32
 
     # ---- shared memory -------------------------------------------------------------------------
@@ -149,11 +118,37 @@ class NormQuantCore:
         """(1 / static scale, NVFP4 global scale) for the formats that take them, else zeros."""
         static_inv = Float32(0.0)
         global_scale = Float32(0.0)
-        if const_expr(self.q.kind == "fp8"):
+        if const_expr(self.q.info.scalar == "scale"):
             static_inv = ptx.rcp_rn(mScale[0])
-        if const_expr(self.q.kind == "nvfp4"):
+        if const_expr(self.q.info.scalar == "global_scale"):
             global_scale = mGS[0]
         return static_inv, global_scale
+
+    # ---- row loads and stores ------------------------------------------------------------------
+    @cute.jit
+    def load_row(self, dst, tSrc, lane: Int32, vbase=None):
+        """dst (register fragment) <- this thread's vectors of the row tSrc (tiled in 8-element
+        vectors). vbase: index of this CTA's first vector of the row in a cluster (None: 0)."""
+        t = self.t
+        for j in cutlass.range_constexpr(t.vecs_per_thread):
+            v = lane + j * t.threads_per_row
+            if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                idx = v
+                if const_expr(vbase is not None):
+                    idx = vbase + v
+                self._slice(dst, j).store(tSrc[(None, idx)].load())
+
+    @cute.jit
+    def store_row(self, src, tDst, lane: Int32, dtype: cutlass.Constexpr, vbase=None):
+        """This thread's vectors of the row tDst <- src (register fragment) converted to dtype."""
+        t = self.t
+        for j in cutlass.range_constexpr(t.vecs_per_thread):
+            v = lane + j * t.threads_per_row
+            if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                idx = v
+                if const_expr(vbase is not None):
+                    idx = vbase + v
+                tDst[(None, idx)].store(self._slice(src, j).load().to(dtype))
 
     # ---- reductions ----------------------------------------------------------------------------
     @cute.jit
@@ -190,23 +185,23 @@ class NormQuantCore:
         kind = self.q.kind
         stored = Float32(0.0)
         inv = Float32(0.0)
-        if const_expr(kind in ("fp8_per_token", "fp8_per_group")):
-            s = ptx.div_rn(ptx.fmax_nan(amax, Float32(PER_TOKEN_MIN_AMAX)), Float32(FP8_MAX))
-            if const_expr(self.q.ue8m0):
+        if const_expr(self.q.float_scales):
+            s = ptx.div_rn(ptx.fmax_nan(amax, Float32(PER_TOKEN_MIN_AMAX)), Float32(E4M3_MAX))
+            if const_expr(self.q.scale_ue8m0):
                 b = ptx.f32_bits(s)
                 e = (b >> 23) + Int32((b & 0x7FFFFF) != 0)
                 s = ptx.bits_f32(e << 23)
             stored = s
             inv = ptx.rcp_rn(s)
         elif const_expr(kind == "nvfp4"):
-            sf = ptx.e4m3x2(Float32(0.0), global_scale * (amax * ptx.rcp_rn(Float32(FP4_MAX)))) & 0xFF
+            sf = ptx.e4m3x2(Float32(0.0), global_scale * (amax * ptx.rcp_rn(Float32(E2M1_MAX)))) & 0xFF
             sf_f = ptx.e4m3_to_f32(sf)
             stored = Float32(sf)  # carried as a number, stored as a byte
             inv = Float32(0.0)
             if sf_f != Float32(0.0):
                 inv = ptx.rcp_rn(sf_f * ptx.rcp_rn(global_scale))
         else:  # mxfp8 / mxfp4
-            v = ptx.div_rn(amax, Float32(FP4_MAX if self.q.fp4 else FP8_MAX))
+            v = ptx.div_rn(amax, Float32(self.q.elem_max))
             b = ptx.f32_bits(v)
             code = ((b >> 23) & 0xFF) + Int32((b & 0x7FFFFF) != 0)
             if code > 255:
@@ -234,7 +229,7 @@ class NormQuantCore:
     @cute.jit
     def _store_q(self, rY, j: cutlass.Constexpr, inv: Float32, tQ, vidx: Int32):
         """Quantize the 8 values of vector j (scaled by inv) and store them as int32 words."""
-        if const_expr(self.q.fp4):
+        if const_expr(self.q.packed_fp4):
             word = Int32(0)
             for e in cutlass.range_constexpr(VEC):
                 word = word | (self._e2m1_code(rY[j * VEC + e] * inv) << (4 * e))
@@ -250,10 +245,10 @@ class NormQuantCore:
 
     @cute.jit
     def _store_scale(self, mS, row: Int32, blk: Int32, value: Float32):
-        if const_expr(self.q.kind in ("fp8_per_token", "fp8_per_group")):
+        if const_expr(self.q.float_scales):
             mS[row, blk] = value
         elif const_expr(self.q.swizzled):
-            kp = (self.t.hidden // self.q.block + 3) // 4 * 4
+            kp = (self.t.hidden // self.q.group_size + 3) // 4 * 4
             off = ((row >> 7) * (kp // 4) + (blk >> 2)) * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4 + (blk & 3)
             mS[off] = cutlass.Uint8(Int32(value))
         else:
@@ -263,13 +258,8 @@ class NormQuantCore:
     @cute.jit
     def load_weight(self, mW, lane: Int32, cta_rank: Int32):
         """This thread's vectors of the weight [H] as a register fragment of its dtype."""
-        t = self.t
         rW = self.zeros(mW.element_type)
-        tW = cute.zipped_divide(mW, (VEC,))
-        for j in cutlass.range_constexpr(t.vecs_per_thread):
-            v = lane + j * t.threads_per_row
-            if const_expr(t.exact) or v < t.vecs_per_cta_row:
-                self._slice(rW, j).store(tW[(None, cta_rank * t.vecs_per_cta_row + v)].load())
+        self.load_row(rW, cute.zipped_divide(mW, (VEC,)), lane, cta_rank * self.t.vecs_per_cta_row)
         return rW
 
     @cute.jit
@@ -307,12 +297,9 @@ class NormQuantCore:
                 rH[j * VEC + e] = (rH[j * VEC + e] * r) * wf
         if const_expr(self.write_y):
             if row_valid:
-                tY = cute.zipped_divide(mY[row, None], (VEC,))
-                for j in cutlass.range_constexpr(nv):
-                    v = lane + j * t.threads_per_row
-                    if const_expr(t.exact) or v < t.vecs_per_cta_row:
-                        tY[(None, vbase + v)].store(self._slice(rH, j).load().to(mY.element_type))
-        if const_expr(self.q.kind != "none"):
+                self.store_row(rH, cute.zipped_divide(mY[row, None], (VEC,)), lane, mY.element_type,
+                               vbase)
+        if const_expr(self.q.info.scales != "none"):
             self._quantize(rH, row, row_valid, scale_valid, lane, row_in_cta, cta_rank, mQ, mS,
                            static_inv, global_scale, bufs)
 
@@ -327,17 +314,17 @@ class NormQuantCore:
         q = self.q
         nv = t.vecs_per_thread
         vbase = cta_rank * t.vecs_per_cta_row
-        if const_expr(q.fp4):
+        if const_expr(q.packed_fp4):
             tQ = mQ[row, None]
         else:
             tQ = cute.zipped_divide(mQ[row, None], (2,))
-        if const_expr(q.kind == "fp8"):
+        if const_expr(q.info.scales == "static"):
             for j in cutlass.range_constexpr(nv):
                 v = lane + j * t.threads_per_row
                 if const_expr(t.exact) or v < t.vecs_per_cta_row:
                     if row_valid:
                         self._store_q(rY, j, static_inv, tQ, vbase + v)
-        elif const_expr(q.kind == "fp8_per_token"):
+        elif const_expr(q.info.scales == "row"):
             amax = Float32(0.0)
             for i in cutlass.range_constexpr(nv * VEC):
                 amax = ptx.fmax_nan(amax, ptx.fabs(rY[i]))
@@ -351,7 +338,7 @@ class NormQuantCore:
                     if row_valid:
                         self._store_q(rY, j, inv, tQ, vbase + v)
         else:  # blocked formats: a block is `lanes` consecutive lanes of one vector column j
-            lanes = q.block // VEC
+            lanes = q.group_size // VEC
             for j in cutlass.range_constexpr(nv):
                 v = lane + j * t.threads_per_row
                 amax = Float32(0.0)
@@ -368,7 +355,7 @@ class NormQuantCore:
                         self._store_q(rY, j, inv, tQ, vbase + v)
             if const_expr(q.swizzled):
                 # zero the padding columns of the 128x4 layout (padded rows get zeros from y = 0)
-                k = t.hidden // q.block
+                k = t.hidden // q.group_size
                 kp = (k + 3) // 4 * 4
                 if const_expr(kp > k):
                     if lane == 0 and cta_rank == 0 and scale_valid:

@@ -11,6 +11,7 @@ one is a device function taking 64-bit generic/global addresses as ``Int64``):
     st_volatile_u32(addr, v)                   st.volatile.global.u32
     atomic_cas_sys_u32(addr, cmp, v) -> Int32  atom.relaxed.sys.global.cas.b32 (returns the old value)
     atomic_add_gpu_u32(addr, v)                red.relaxed.gpu.global.add.u32
+    atom_add_acq_rel_gpu_u32(addr, v) -> Int32 atom.acq_rel.gpu.global.add.u32 (returns the old value)
     fence_acq_rel_sys()                        fence.acq_rel.sys
     globaltimer_ns() -> Int64                  mov.u64 %globaltimer (ns; ~1 us granularity)
     ld_volatile_sys_v4_u32(addr) -> 4 x Int32  ld.volatile.global.v4.u32 (16-byte aligned)
@@ -18,28 +19,15 @@ one is a device function taking 64-bit generic/global addresses as ``Int64``):
 
 Ordered ones carry a ``memory`` clobber so LLVM never moves plain loads/stores across them.
 
-Cross-rank CTA barrier: ``cta_barrier(signal_ptrs, rank, world, region_word, block, timeout_ns, err)``
-(see its docstring). Signal-pad layout of one barrier region, in u32 words from ``region_word``:
-
-    epochs[MAX_CTAS]              this rank's epoch of CTA index b (written only by CTA b, locally)
-    flags[MAX_CTAS][MAX_WORLD]    flags[b][q] = last epoch rank q announced for CTA index b
-
-``BARRIER_REGION_WORDS`` words per region; ``region_word(i)`` is the first word of region i. Each
-algorithm / kernel owns its own region (``REGION_*`` below), never shared: two kernels on the same
-region would each advance the other's epochs, which is only consistent if every rank runs exactly
-the same sequence of them and never two at once (different streams). Separate regions make that a
-non-issue.
-
-Host side: ``timeout_ns(timeout_s=None)`` (default ``DEFAULT_TIMEOUT_S`` = 10 s, env
-``DISTNORM_BARRIER_TIMEOUT_S`` overrides), ``check_region(ws, region_word)``,
-``reset_barrier_region(ws, region_word)``.
+Cross-rank CTA barrier: ``cta_barrier(signal_ptrs, rank, world, region_word, block, timeout, err)``
+(see its docstring) over one signal-pad region of ``distnorm.collectives.layout`` (epochs then
+flags; each algorithm owns its region). The host side (region checks and resets, the timeout
+setting) lives in ``distnorm.collectives``; this module is device code only.
 
 Kernel modules import this one absolutely (``from distnorm.kernels import sync``): the 4.3.5 DSL
 preprocessor cannot resolve relative imports.
 """
 from __future__ import annotations
-
-import os
 
 import cutlass
 import cutlass.cute as cute
@@ -47,74 +35,17 @@ from cutlass import Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from distnorm.comm.errors import DEVICE_ERROR_WORD
+from distnorm.collectives.layout import DEVICE_ERROR_WORD, ERROR_TIMEOUT, MAX_CTAS, MAX_WORLD
 from distnorm.kernels.ptx import inline_asm
 
 __all__ = [
-    "MAX_CTAS", "MAX_WORLD", "BARRIER_REGION_WORDS", "region_word", "REGION_BARRIER_TEST",
-    "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "ERR_TIMEOUT", "timeout_ns", "check_region",
-    "reset_barrier_region",
     "ld_acquire_sys_u32", "ld_relaxed_sys_u32", "ld_volatile_sys_u32", "st_release_sys_u32",
     "st_relaxed_sys_u32", "st_volatile_u32", "atomic_cas_sys_u32", "atomic_add_gpu_u32",
-    "fence_acq_rel_sys", "globaltimer_ns", "ld_volatile_sys_v4_u32", "st_volatile_sys_v4_u32",
-    "cta_barrier", "record_timeout", "SPIN_CHECK_MASK",
+    "atom_add_acq_rel_gpu_u32", "fence_acq_rel_sys", "globaltimer_ns", "ld_volatile_sys_v4_u32",
+    "st_volatile_sys_v4_u32", "cta_barrier", "record_timeout", "SPIN_CHECK_MASK",
 ]
 
-MAX_CTAS = 1024
-MAX_WORLD = 8
-BARRIER_REGION_WORDS = MAX_CTAS + MAX_CTAS * MAX_WORLD  # 9216 words = 36 KiB
-
-#: region indices (one per algorithm / kernel; append new ones, never reuse)
-REGION_BARRIER_TEST = 0
-# regions 1-3: kernels/allreduce.py (one-shot, two-shot barriers; lamport state)
-REGION_DEVICE_ERROR = 4  # word 0: the device-side error word (comm/errors.py DEVICE_ERROR_WORD)
-assert REGION_DEVICE_ERROR * BARRIER_REGION_WORDS == DEVICE_ERROR_WORD
-
-DEFAULT_TIMEOUT_S = 10.0
-TIMEOUT_ENV = "DISTNORM_BARRIER_TIMEOUT_S"
-ERR_TIMEOUT = 1  # == distnorm.comm.errors.ERROR_TIMEOUT
-
 SPIN_CHECK_MASK = 255  # spinning threads look at %globaltimer and the device error word every 256 polls
-
-
-def region_word(index: int) -> int:
-    """First u32 word (in the signal pad) of barrier region ``index``."""
-    return index * BARRIER_REGION_WORDS
-
-
-# --- host helpers -----------------------------------------------------------------------------
-def timeout_ns(timeout_s: float | None = None) -> int:
-    """Barrier timeout in ns: ``timeout_s``, else env DISTNORM_BARRIER_TIMEOUT_S, else 10 s."""
-    if timeout_s is None:
-        env = os.environ.get(TIMEOUT_ENV)
-        timeout_s = float(env) if env else DEFAULT_TIMEOUT_S
-    if not timeout_s > 0:
-        raise ValueError(f"barrier timeout must be > 0 s, got {timeout_s}")
-    return int(timeout_s * 1e9)
-
-
-def check_region(ws, region_word_: int, ctas: int | None = None) -> None:
-    """Raise if barrier region at ``region_word_`` does not fit ``ws``'s signal pad or the group/grid
-    exceeds MAX_WORLD / MAX_CTAS."""
-    # the device error word (REGION_DEVICE_ERROR) must fit too: every waiting kernel reads it
-    end = max(region_word_ + BARRIER_REGION_WORDS, DEVICE_ERROR_WORD + 1) * 4
-    if end > ws.signal_bytes:
-        raise ValueError(f"barrier region at word {region_word_} needs a signal pad of >= {end} bytes, "
-                         f"workspace has {ws.signal_bytes}")
-    if ws.world_size > MAX_WORLD:
-        raise ValueError(f"cta_barrier supports at most {MAX_WORLD} ranks, group has {ws.world_size}")
-    if ctas is not None and not 1 <= ctas <= MAX_CTAS:
-        raise ValueError(f"cta_barrier supports 1..{MAX_CTAS} CTAs, got {ctas}")
-
-
-def reset_barrier_region(ws, region_word_: int) -> None:
-    """Zero this rank's copy of a barrier region (epochs and flags), e.g. after a timeout left the
-    ranks' epochs out of step. Collective in effect: every rank must call it while no kernel using
-    the region runs anywhere, then synchronize (ws.barrier()) before the next launch."""
-    import torch
-
-    ws.peer_signal(ws.rank)[region_word_:region_word_ + BARRIER_REGION_WORDS].zero_()
-    torch.cuda.synchronize(ws.device)
 
 
 # --- primitives -------------------------------------------------------------------------------
@@ -182,6 +113,13 @@ def atomic_add_gpu_u32(addr, v, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def atom_add_acq_rel_gpu_u32(addr, v, *, loc=None, ip=None) -> Int32:
+    """atom.acq_rel.gpu.global.add.u32: returns the old value."""
+    return Int32(_asm(T.i32(), [_i64(addr, loc, ip), _i32(v, loc, ip)],
+                      "atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;", "=r,l,r,~{memory}"))
+
+
+@dsl_user_op
 def fence_acq_rel_sys(*, loc=None, ip=None) -> None:
     _asm(None, [], "fence.acq_rel.sys;", "~{memory}")
 
@@ -213,23 +151,22 @@ def st_volatile_sys_v4_u32(addr, a, b, c, d, *, loc=None, ip=None) -> None:
 def record_timeout(err_addr: Int64, dev_err_addr: Int64, peer: Int32, epoch: Int32):
     """A waiting thread gives up: the first one records (timeout, peer, epoch) in the pinned error
     words the host reads; every one sets the device error word the other waiters poll."""
-    if atomic_cas_sys_u32(err_addr, Int32(0), Int32(ERR_TIMEOUT)) == Int32(0):
+    if atomic_cas_sys_u32(err_addr, Int32(0), Int32(ERROR_TIMEOUT)) == Int32(0):
         st_volatile_u32(err_addr + Int64(4), peer)
         st_volatile_u32(err_addr + Int64(8), epoch)
-    st_volatile_u32(dev_err_addr, Int32(ERR_TIMEOUT))
+    st_volatile_u32(dev_err_addr, Int32(ERROR_TIMEOUT))
 
 
 @cute.jit
 def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[int],
-                region_word: cutlass.Constexpr[int], block: Int32, timeout_ns: Int64,
-                err: cute.Tensor):
+                region_word: cutlass.Constexpr[int], block: Int32, timeout: Int64, err: cute.Tensor):
     """Barrier between the CTAs with index ``block`` on every rank; all threads of the CTA call it.
 
     signal_ptrs: Int64 [world] device tensor of every rank's signal-pad base address (peer mapped).
     rank / world: this rank, group size (world <= MAX_WORLD, compile-time).
     region_word: first u32 word of this kernel's barrier region in every signal pad (compile-time).
     block: the CTA index (< MAX_CTAS); the same index on every rank meets here.
-    timeout_ns: give up after this long without a peer's flag (``timeout_ns()`` on the host).
+    timeout: give up after this many ns without a peer's flag (``Tuning.timeout_ns`` on the host).
     err: Int32 [4] error words (``Workspace.error_flag``, pinned host memory, viewed from the GPU):
          on timeout [0] = 1 (timeout), [1] = the peer waited on, [2] = the epoch; first writer wins.
 
@@ -260,10 +197,10 @@ def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[
     and the signed 32-bit difference test survives wrap-around of the counter.
 
     On timeout the thread records the error (if err[0] was 0) and sets this rank's device error word
-    (comm/errors.py DEVICE_ERROR_WORD); other waiters poll that word (never the pinned err, which is
+    (layout.DEVICE_ERROR_WORD); other waiters poll that word (never the pinned err, which is
     slow to read from the GPU) at their next timer check and stop too, so a dead peer costs
-    ~timeout_ns once, not per barrier. After a timeout the ranks' epochs are out of step: call
-    ``reset_barrier_region`` on every rank (or re-create the workspace) before reusing the region.
+    the timeout once, not per barrier. After a timeout the ranks' epochs are out of step: reset the
+    region on every rank (``AllReduceState.reset``) before reusing it.
     """
     tidx, _, _ = cute.arch.thread_idx()
     epochs_word = Int64(region_word) + Int64(block)
@@ -300,7 +237,7 @@ def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[
                     if ld_volatile_sys_u32(dev_err_addr) != Int32(0):
                         waiting = Int32(0)  # another thread / CTA already timed out: stop too
                     else:
-                        if globaltimer_ns() - t0 > timeout_ns:
+                        if globaltimer_ns() - t0 > timeout:
                             record_timeout(err_addr, dev_err_addr, tidx, epoch)
                             waiting = Int32(0)
         st_relaxed_sys_u32(epoch_addr, epoch)

@@ -28,7 +28,6 @@ __all__ = ["init_distributed", "cleanup", "get_or_create_group", "split_world", 
 log = logging.getLogger(__name__)
 
 _groups: dict[tuple[int, ...], Any] = {}
-_env: LaunchEnv | None = None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -90,7 +89,6 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
     backend: ``None`` picks ``"nccl"`` with CUDA, else ``"gloo"``.
     timeout_s: collective timeout handed to ``init_process_group``.
     """
-    global _env
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
     if not timeout_s > 0:
@@ -113,7 +111,6 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
                 raise RuntimeError(f"torch.distributed is initialized as rank {rank} of {world}, "
                                    f"but the launch environment says {env}")
             env = LaunchEnv(rank, rank, world, world, "single")
-        _env = env
         return env
 
     backend = backend or ("nccl" if use_cuda else "gloo")
@@ -133,7 +130,6 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
         kwargs["init_method"] = "env://"
     dist.init_process_group(**kwargs)
     log.debug("torch.distributed up: %s backend=%s", env, backend)
-    _env = env
     return env
 
 
@@ -175,10 +171,8 @@ def split_world(group_size: int, backend: str | None = None) -> Any:
 
 def cleanup() -> None:
     """Destroy the process groups made here and WORLD; safe to call when nothing is initialized."""
-    global _env
     import torch.distributed as dist
 
     _groups.clear()
-    _env = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

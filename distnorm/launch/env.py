@@ -125,7 +125,7 @@ NO_MULTICAST_ENV = {
 def apply_no_multicast_env(environ: MutableMapping[str, str] | None = None) -> None:
     """Set NO_MULTICAST_ENV (overriding other values, with a warning); run before NCCL/NVSHMEM start.
 
-    Multicast can take down shared GPUs on the machines this project runs on (DESIGN.md).
+    Multicast can take down GPUs that other jobs share on the machines this project runs on.
     """
     environ = os.environ if environ is None else environ
     for key, value in NO_MULTICAST_ENV.items():

@@ -1,4 +1,4 @@
-"""Multi-GPU tests of the fused all-reduce kernels (distnorm.allreduce_ops) against the reference.
+"""Multi-GPU tests of the fused all-reduce kernels (distnorm.collectives) against the reference.
 
 Run any of:
     torchrun --nproc-per-node 2 -m pytest tests/multigpu/test_allreduce_gpu.py -q
@@ -127,7 +127,7 @@ def _check_same_across_ranks(out, spec):
 
 
 def _capacity_rows(algo, world, H, spec):
-    from distnorm.allreduce_ops import max_chunk_rows
+    from distnorm.collectives.plan import max_chunk_rows
     swz = spec is not None and spec.block_scaled and spec.sf_layout == "swizzled"
     try:
         return max_chunk_rows(algo, world, 1 << 30, H, 2, BUFFER_BYTES, swz, True)
@@ -138,7 +138,7 @@ def _capacity_rows(algo, world, H, spec):
 
 
 def _one_case(ws, boot, algo, qname, M, H, seed):
-    from distnorm.allreduce_ops import allreduce, allreduce_add_rmsnorm
+    from distnorm.collectives import allreduce, allreduce_add_rmsnorm
     from distnorm.reference import allreduce_add_rmsnorm_ref, allreduce_ref
 
     kw, spec = _kwargs(qname)
@@ -179,7 +179,7 @@ def _body_grid(algo: str) -> None:
 
 
 def _body_graph(algo: str, replays: int) -> None:
-    from distnorm.allreduce_ops import allreduce_add_rmsnorm
+    from distnorm.collectives import allreduce_add_rmsnorm
     from distnorm.comm import Workspace
     from distnorm.reference import allreduce_add_rmsnorm_ref
 
@@ -216,7 +216,7 @@ def _body_graph(algo: str, replays: int) -> None:
 
 
 def _body_back_to_back(calls: int) -> None:
-    from distnorm.allreduce_ops import allreduce_add_rmsnorm
+    from distnorm.collectives import allreduce_add_rmsnorm
     from distnorm.comm import Workspace
     from distnorm.reference import allreduce_add_rmsnorm_ref
 
@@ -249,7 +249,7 @@ def _body_back_to_back(calls: int) -> None:
 def _body_lamport_chunks() -> None:
     """M far above lamport's one-area capacity (small workspace): explicit lamport chunks it into
     many calls (rotating through the areas within one op), auto does not pick lamport."""
-    from distnorm.allreduce_ops import choose_algo, max_chunk_rows
+    from distnorm.collectives.plan import choose_algo, max_chunk_rows
     from distnorm.comm import Workspace
 
     boot = _boot()
@@ -271,7 +271,7 @@ def _body_lamport_sentinel() -> None:
     """Data that looks like the sentinel must neither hang nor change results: NaN 0xFFFF halves
     (the sentinel's element pattern) in some rows, -0.0 on every rank in others (exact: -0.0 sums
     stay -0.0, the sign reaches residual_out / allreduce_out bitwise)."""
-    from distnorm.allreduce_ops import allreduce, allreduce_add_rmsnorm
+    from distnorm.collectives import allreduce, allreduce_add_rmsnorm
     from distnorm.comm import Workspace
     from distnorm.reference import allreduce_add_rmsnorm_ref, allreduce_ref
 
@@ -317,9 +317,9 @@ def _body_lamport_changing_hidden() -> None:
     the refill used this call's H with the previous call's rows, a large-H call after a many-row
     small-H call overran the area (illegal address, 2026-11-21 benchmark) or left sentinel gaps
     (timeouts). Alternate H with M near one area's capacity; every result checked."""
-    from distnorm.allreduce_ops import allreduce
+    from distnorm.collectives import allreduce
     from distnorm.comm import Workspace
-    from distnorm.kernels.lamport import capacity_rows
+    from distnorm.collectives.plan import lamport_capacity as capacity_rows
     from distnorm.reference import allreduce_ref
 
     boot = _boot()
@@ -344,7 +344,7 @@ def _body_dependent_chain() -> None:
     from a CUDA graph, at 1..16 tokens (where early completion signalling under programmatic
     dependent launch produced NaNs elsewhere). Each step is checked against the reference computed
     from the inputs it actually had; every output is poisoned before the run."""
-    from distnorm.allreduce_ops import allreduce_add_rmsnorm
+    from distnorm.collectives import allreduce_add_rmsnorm
     from distnorm.comm import Workspace
     from distnorm.reference import allreduce_add_rmsnorm_ref
     from quant_check import poison_like

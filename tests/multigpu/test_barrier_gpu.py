@@ -30,7 +30,7 @@ def _workspace():
 
 
 def _body_rounds(rounds: int) -> None:
-    from distnorm.kernels.barrier_test_kernel import run_barrier_rounds
+    from barrier_kernel import run_barrier_rounds
 
     boot = resolve_bootstrap(None)
     with _workspace() as ws:
@@ -48,7 +48,7 @@ def _body_rounds(rounds: int) -> None:
 
 
 def _body_graph() -> None:
-    from distnorm.kernels.barrier_test_kernel import error_view, launch_barrier_rounds, run_barrier_rounds
+    from barrier_kernel import error_view, launch_barrier_rounds, run_barrier_rounds
 
     boot = resolve_bootstrap(None)
     with _workspace() as ws:
@@ -83,8 +83,9 @@ def _body_graph() -> None:
 
 
 def _body_timeout() -> None:
-    from distnorm.kernels import sync
-    from distnorm.kernels.barrier_test_kernel import REGION, compiled_barrier_rounds, run_barrier_rounds
+    from barrier_kernel import compiled_barrier_rounds, run_barrier_rounds
+    from distnorm.collectives.layout import REGION_BARRIER_TEST
+    from distnorm.collectives.state import zero_region
 
     boot = resolve_bootstrap(None)
     with _workspace() as ws:
@@ -111,7 +112,7 @@ def _body_timeout() -> None:
         # epochs are now out of step: every rank zeroes its region while nothing runs
         torch.cuda.synchronize()
         ws.barrier()
-        sync.reset_barrier_region(ws, REGION)
+        zero_region(ws, REGION_BARRIER_TEST)
         ws.barrier()
 
         def after_reset():

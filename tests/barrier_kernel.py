@@ -1,4 +1,5 @@
-"""Test / benchmark kernel for ``sync.cta_barrier``: many barrier rounds in one launch.
+"""Test / benchmark kernel for ``sync.cta_barrier``: many barrier rounds in one launch (used by
+tests/multigpu/test_barrier_gpu.py, tests/test_sync_compile.py and benchmarks/bench_barrier.py).
 
 Mode "check" (default): each round r, CTA b on rank q writes a (r, q, b, thread)-dependent int32
 pattern into slot [r % 2][b][q] of its LOCAL data buffer (``buffer_ptrs[rank]``), calls the barrier,
@@ -23,11 +24,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
 
-from distnorm.kernels import compat
-from distnorm.kernels import sync  # absolute: the 4.3.5 DSL preprocessor cannot resolve relative imports
+from distnorm.collectives.layout import (ERROR_WORDS, MAX_WORLD, REGION_BARRIER_TEST,
+                                         check_signal_pad, region_word)
+from distnorm.collectives.plan import Tuning
+from distnorm.kernels import compat, sync
 
 THREADS = 128
-REGION = sync.region_word(sync.REGION_BARRIER_TEST)
+REGION = region_word(REGION_BARRIER_TEST)
 
 
 def buffer_bytes_needed(ctas: int, world: int) -> int:
@@ -38,7 +41,7 @@ class BarrierRounds:
     """Compiled once per (world, mode); ctas, rounds, rank and the timeout are run-time values."""
 
     def __init__(self, world: int, barrier_only: bool = False, region_word: int = REGION):
-        assert 1 <= world <= sync.MAX_WORLD
+        assert 1 <= world <= MAX_WORLD
         self.world = world
         self.barrier_only = barrier_only
         self.region_word = region_word
@@ -131,9 +134,14 @@ def error_view(ws):
     """``ws.error_flag`` (pinned host memory) as a CUDA tensor of the local device (UVA address)."""
     import torch
 
-    from distnorm.comm._views import tensor_from_ptr
+    from distnorm.comm import tensor_from_ptr
 
-    return tensor_from_ptr(ws.error_flag_ptr, 16, ws.device).view(torch.int32)
+    return tensor_from_ptr(ws.error_flag_ptr, ERROR_WORDS * 4, ws.device).view(torch.int32)
+
+
+def timeout_ns(timeout_s: float | None = None) -> int:
+    """timeout_s in ns, else the library's setting (DISTNORM_BARRIER_TIMEOUT_S, default 10 s)."""
+    return Tuning.from_env().timeout_ns if timeout_s is None else Tuning(timeout_s=timeout_s).timeout_ns
 
 
 def launch_barrier_rounds(ws, rounds: int, ctas: int = 1, timeout_s: float | None = None,
@@ -141,7 +149,7 @@ def launch_barrier_rounds(ws, rounds: int, ctas: int = 1, timeout_s: float | Non
     """Enqueue one launch on the current stream (capturable); returns the mismatch counter tensor."""
     import torch
 
-    sync.check_region(ws, REGION, ctas)
+    check_signal_pad(ws.signal_bytes, ws.world_size, ctas)
     if not barrier_only and buffer_bytes_needed(ctas, ws.world_size) > ws.buffer_bytes:
         raise ValueError(f"{ctas} CTAs need a data region of {buffer_bytes_needed(ctas, ws.world_size)} "
                          f"bytes, workspace has {ws.buffer_bytes}")
@@ -150,7 +158,7 @@ def launch_barrier_rounds(ws, rounds: int, ctas: int = 1, timeout_s: float | Non
     if err is None:
         err = error_view(ws)
     f = compiled_barrier_rounds(ws.world_size, barrier_only)
-    f(ws.buffer_ptrs, ws.signal_ptrs, err, out, ws.rank, ctas, rounds, sync.timeout_ns(timeout_s))
+    f(ws.buffer_ptrs, ws.signal_ptrs, err, out, ws.rank, ctas, rounds, timeout_ns(timeout_s))
     return out
 
 

@@ -1,0 +1,192 @@
+"""The ops' entry, shared by every op: argument checks with the library's own messages, output
+allocation, and the tensor views the kernels take.
+
+The eager ops first run the cheap `inputs_look_valid` / `scalar_looks_valid`; only when they say no
+does `check_inputs` run, to raise with the exact reason.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .formats import (MAX_HIDDEN, MIN_HIDDEN, QuantSpec, check_hidden, empty_scales, hidden_multiple,
+                      q_dtype, q_shape, scales_geometry)
+
+ACT_DTYPES = (torch.bfloat16, torch.float16)
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def check_rows(name: str, t, like: Optional[Tensor], shape, dtype=None) -> None:
+    """ValueError/TypeError naming `name` unless t is a [M, H] tensor on like's device, last dim
+    contiguous, rows 16-byte aligned (what the kernels' 128-bit accesses need)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    want = dtype if dtype is not None else (like.dtype if like is not None else None)
+    if want is not None and t.dtype != want:
+        raise ValueError(f"{name} must have dtype {want}, got {t.dtype}")
+    if want is None and t.dtype not in ACT_DTYPES:
+        raise ValueError(f"{name} must be bfloat16 or float16, got {t.dtype}")
+    if like is not None and t.device != like.device:
+        raise ValueError(f"{name} must be on {like.device}, got {t.device}")
+    if t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+
+
+def check_aligned(name: str, t: Tensor, align: int = 16) -> None:
+    """At dispatch (not traced): rows must start at `align`-byte boundaries for 128-bit accesses."""
+    if t.shape[0] > 1 and (t.stride(0) * t.element_size()) % align or t.data_ptr() % align:
+        raise ValueError(f"{name} rows must start at {align}-byte aligned addresses "
+                         f"(row stride {t.stride(0)} elements, data_ptr {t.data_ptr():#x})")
+
+
+def check_scalar_f32(name: str, t, device) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a float32 tensor of one element, got {type(t).__name__}")
+    if t.dtype != torch.float32 or t.numel() != 1:
+        raise ValueError(f"{name} must be a float32 tensor of one element, got {t.dtype} {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def check_inputs(x, residual, weight, spec: Optional[QuantSpec], scale, global_scale, eps) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be a 2-D [M, H] tensor, got shape {tuple(x.shape)}")
+    check_rows("x", x, None, x.shape)
+    check_hidden(spec, x.shape[1])
+    if residual is not None:
+        check_rows("residual", residual, x, x.shape)
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if tuple(weight.shape) != (x.shape[1],) or weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(f"weight must be a [{x.shape[1]}] {x.dtype} tensor on {x.device}, got "
+                         f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    if x.is_cuda and weight.stride(0) != 1:
+        raise ValueError("weight must be contiguous")
+    if not isinstance(eps, (float, int)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    scalar = "" if spec is None else spec.info.scalar
+    if scalar == "scale":
+        if scale is None:
+            raise ValueError(f"scale is required for quant={spec.kind!r} (static per-tensor scale, "
+                             "float32 [1])")
+        check_scalar_f32("scale", scale, x.device)
+    if scalar == "global_scale":
+        if global_scale is None:
+            raise ValueError(f"global_scale is required for quant={spec.kind!r} (float32 [1], "
+                             "usually 448*6/amax)")
+        check_scalar_f32("global_scale", global_scale, x.device)
+
+
+def check_op_inputs(x, residual, weight, spec: Optional[QuantSpec], scale, global_scale,
+                    eps) -> None:
+    """Every op's input check: the cheap look first, check_inputs (which raises) only when it fails."""
+    scalar = "" if spec is None else spec.info.scalar
+    if (not inputs_look_valid(x, residual, weight, spec, eps)
+            or (scalar == "scale" and not scalar_looks_valid(scale, x))
+            or (scalar == "global_scale" and not scalar_looks_valid(global_scale, x))):
+        check_inputs(x, residual, weight, spec, scale, global_scale, eps)
+
+
+def check_rows_aligned(tensors, M: int) -> None:
+    """At dispatch: every (name, [M, H] tensor or None) has 16-byte aligned rows (check_aligned)."""
+    for name, t in tensors:
+        if t is not None and (t.data_ptr() | (t.stride(0) * t.element_size() if M > 1 else 0)) % 16:
+            check_aligned(name, t)
+
+
+def allocate_outputs(x: Tensor, spec: Optional[QuantSpec], has_residual: bool, want_y: bool,
+                     residual_out, y_out, q_out, scales_out):
+    """Allocate the outputs the caller did not pass; check the ones they did."""
+    M, H = x.shape
+    if has_residual:
+        if residual_out is None:
+            residual_out = torch.empty((M, H), dtype=x.dtype, device=x.device)
+        elif residual_out.shape != x.shape or residual_out.dtype != x.dtype:
+            check_rows("residual_out", residual_out, x, x.shape)
+    if want_y:
+        if y_out is None:
+            y_out = torch.empty((M, H), dtype=x.dtype, device=x.device)
+        elif y_out.shape != x.shape or y_out.dtype != x.dtype:
+            check_rows("y_out", y_out, x, x.shape)
+    if spec is not None:
+        if q_out is None:
+            q_out = torch.empty(q_shape(spec, M, H), dtype=q_dtype(spec), device=x.device)
+        elif q_out.shape != q_shape(spec, M, H) or q_out.dtype != q_dtype(spec):
+            check_rows("q_out", q_out, x, q_shape(spec, M, H), dtype=q_dtype(spec))
+        geo = scales_geometry(spec, M, H)
+        if geo is not None:
+            if scales_out is None:
+                scales_out = empty_scales(spec, M, H, x.device)
+            elif (scales_out.shape, scales_out.stride(), scales_out.dtype) != geo or \
+                    scales_out.device != x.device:
+                raise ValueError(f"scales_out must have shape {geo[0]}, strides {geo[1]}, dtype {geo[2]} "
+                                 f"on {x.device}; got {tuple(scales_out.shape)}, {scales_out.stride()}, "
+                                 f"{scales_out.dtype} on {scales_out.device}")
+    return residual_out, y_out, q_out, scales_out
+
+
+def returned_scales(spec: Optional[QuantSpec], scale: Optional[Tensor],
+                    scales_out: Optional[Tensor]) -> Optional[Tensor]:
+    """The `scales` an op returns: the caller's scale for static fp8, else the scales output."""
+    return scale if spec is not None and spec.info.scales == "static" else scales_out
+
+
+def copy_outputs(ref, spec: Optional[QuantSpec], residual_out, y_out, q_out, scales_out,
+                 allreduce_out=None) -> None:
+    """Copy a reference NormQuantOutput into the outputs that were asked for (the CPU paths)."""
+    for out, val in ((residual_out, ref.residual), (y_out, ref.y), (q_out, ref.q),
+                     (allreduce_out, ref.allreduce)):
+        if out is not None and val is not None:
+            out.copy_(val)
+    if scales_out is not None and spec is not None and spec.info.scale_dtype is not None:
+        scales_out.copy_(ref.scales)
+
+
+def kernel_views(spec: Optional[QuantSpec], q: Optional[Tensor], scales: Optional[Tensor]):
+    """The int32 / uint8 views the kernels take (see kernels/compile.py)."""
+    if spec is None:
+        return None, None
+    qv = q.view(torch.int32)  # fp8 [M, H] or packed fp4 [M, H/2]: rows hold whole int32 words
+    sv = None
+    if scales is not None:
+        if spec.block_scaled:
+            sv = scales.view(torch.uint8)
+            if spec.swizzled:
+                sv = sv.view(-1)
+        else:
+            sv = scales
+    return qv, sv
+
+
+def inputs_look_valid(x, residual, weight, spec, eps) -> bool:
+    """Cheap checks of the common case; when False, check_inputs says exactly what is wrong."""
+    if type(eps) not in (float, int) or not eps >= 0:
+        return False
+    if type(x) is not Tensor or x.dim() != 2 or x.dtype not in ACT_DTYPES:
+        return False
+    H = x.shape[1]
+    if H % hidden_multiple(spec) or not MIN_HIDDEN <= H <= MAX_HIDDEN:
+        return False
+    if type(weight) is not Tensor or weight.shape != (H,) or weight.dtype != x.dtype:
+        return False
+    dev = x.get_device()
+    if weight.get_device() != dev:
+        return False
+    if residual is not None and (type(residual) is not Tensor or residual.shape != x.shape
+                                 or residual.dtype != x.dtype or residual.get_device() != dev):
+        return False
+    return True
+
+
+def scalar_looks_valid(t, x: Tensor) -> bool:
+    """Cheap check of a scale / global_scale argument: a float32 one-element tensor on x's device."""
+    return (type(t) is Tensor and t.dtype == torch.float32 and t.numel() == 1
+            and t.get_device() == x.get_device())
+
+

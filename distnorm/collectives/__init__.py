@@ -1,0 +1,12 @@
+"""The all-reduce host side: one place for what the fused all-reduce ops need besides the kernels.
+
+    layout.py    where things live in a workspace (signal-pad regions, error words, buffer split);
+                 pure Python, imported by comm/ and the kernels too
+    plan.py      algorithm registry, crossover tables, rows per launch, tuning (pure Python)
+    state.py     the per-workspace state (AllReduceState), owned by the workspace
+    dispatch.py  running one call: kernels over peer mappings, or the NCCL fallback
+    ops.py       the user-facing ops and their torch.library registration
+"""
+from distnorm.collectives.ops import allreduce, allreduce_add_rmsnorm, reset
+
+__all__ = ["allreduce", "allreduce_add_rmsnorm", "reset"]

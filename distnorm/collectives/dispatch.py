@@ -1,0 +1,133 @@
+"""Running one all-reduce call: the CuTe kernels over peer mappings (chunked to fit the workspace),
+or, without peer mappings, torch.distributed all-gather + the single-GPU kernel (CPU: the reference).
+
+Arguments are already checked and outputs allocated (collectives/ops.py). Semantics:
+docs/SEMANTICS.md; outputs are bitwise identical on every rank.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from distnorm.args import DTYPE_NAMES, check_rows_aligned, copy_outputs, kernel_views
+from distnorm.collectives.plan import plan_launch
+from distnorm.collectives.state import state_of
+from distnorm.formats import QuantSpec, kernel_spec
+
+log = logging.getLogger(__name__)
+
+__all__ = ["run", "gathered_sum"]
+
+
+def _rows(t: Optional[Tensor], a: int, b: int) -> Optional[Tensor]:
+    return None if t is None else t[a:b]
+
+
+def _scale_rows(spec: Optional[QuantSpec], sv: Optional[Tensor], a: int, b: int, H: int):
+    """Kernel view of the scale rows [a, b) (swizzled: chunks start at multiples of 128)."""
+    if sv is None or spec is None:
+        return sv
+    if spec.block_scaled and spec.swizzled:
+        kp = (H // spec.group_size + 3) // 4 * 4
+        return sv[a * kp: ((b + 127) // 128 * 128) * kp]
+    return sv[a:b]  # column-major per-group scales keep their column stride
+
+
+def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
+               q_out, scales_out, ar_out, ws, algo: str) -> None:
+    """The all-reduce kernels over `ws`'s peer mappings, in launches that fit its data buffer."""
+    from distnorm.kernels.compile_allreduce import compiled_allreduce
+
+    M, H = x.shape
+    if M == 0:
+        return
+    state = state_of(ws)
+    tuning = state.tuning
+    kspec = kernel_spec(spec)
+    gather_acc = ar_out is not None and residual is not None
+    plain = residual_out is None and y_out is None and q_out is None
+    algo, step = plan_launch(algo, ws.world_size, M, H, x.element_size(), ws.buffer_bytes,
+                             kspec.swizzled, gather_acc, plain)
+    rows_per_cta = tuning.rows_per_cta.get(algo, 0)
+    kernel = compiled_allreduce(algo, ws.world_size, DTYPE_NAMES[x.dtype], H, kspec,
+                                residual is not None, gemma, y_out is not None, ar_out is not None,
+                                tuning.pdl, rows_per_cta)
+    check_rows_aligned((("x", x), ("residual", residual), ("residual_out", residual_out),
+                        ("y_out", y_out), ("allreduce_out", ar_out)), M)
+    qv, sv = kernel_views(spec, q_out, scales_out)
+    state.check_signal_pad(ws)
+    ptrs = state.lamport_table(ws) if algo == "lamport" else ws.buffer_ptrs
+    ctas = state.grid_cap(x.device, H, kspec, rows_per_cta)
+    err = ws.error_flag_device
+    for a in range(0, M, step):
+        b = min(M, a + step)
+        kernel(x[a:b], _rows(residual, a, b), _rows(residual_out, a, b), weight, _rows(y_out, a, b),
+               _rows(qv, a, b), _scale_rows(spec, sv, a, b, H), scale, global_scale,
+               _rows(ar_out, a, b), ptrs, ws.signal_ptrs, err, ws.rank, ctas, float(eps),
+               tuning.timeout_ns)
+    if not torch.cuda.is_current_stream_capturing():
+        ws.raise_if_failed()  # reads pinned memory: cheap; an error shows after the kernel ran
+
+
+def gathered_sum(x: Tensor, group) -> Tensor:
+    """Ordered float32 sum of every rank's x (all-gather, then acc = x0 + x1 + ...): bitwise the
+    reference on every rank."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc = acc + p.float()
+    return acc
+
+
+def run_fallback(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
+                 q_out, scales_out, ar_out, ws) -> None:
+    """No peer mappings (or CPU tensors): all-gather through torch.distributed, ordered float32
+    sum, then the single-GPU kernel on the sum (CPU: the reference). Logs once per workspace why."""
+    if x.is_cuda:
+        state = state_of(ws)
+        if not state.fallback_logged:
+            state.fallback_logged = True
+            reason = ws.fallback_reason or ("workspace is closed" if ws.closed else "no peer mappings")
+            log.warning("distnorm all-reduce: using torch.distributed all-gather + single-GPU "
+                        "kernel (%s)", reason)
+    if x.shape[0] == 0:
+        return
+    acc = gathered_sum(x, ws.group)
+    if ar_out is not None:
+        ar_out.copy_(acc.to(x.dtype))
+    if not x.is_cuda:
+        from distnorm.reference import _norm_quant
+        ref = _norm_quant(acc, x.dtype, residual, weight, eps, spec, scale, global_scale, gemma,
+                          y_out is not None, None)
+        copy_outputs(ref, spec, residual_out, y_out, q_out, scales_out)
+        return
+    from distnorm.ops import run_fused_norm_kernel
+
+    if residual_out is None and y_out is None and q_out is None:
+        return  # plain all-reduce
+    if residual is not None:
+        # h = T(acc + float(res)) with one rounding, then the fused kernel on (h, no residual)
+        h = (acc + residual.float()).to(x.dtype)
+        residual_out.copy_(h)
+    else:
+        h = acc.to(x.dtype)
+    run_fused_norm_kernel(h, None, weight, eps, spec, scale, global_scale, gemma, None, y_out,
+                          q_out, scales_out)
+
+
+def run(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out, q_out,
+        scales_out, ar_out, ws, algo: str) -> None:
+    """One all-reduce call on checked arguments and allocated outputs."""
+    if x.is_cuda and ws.p2p_ok:
+        run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
+                   q_out, scales_out, ar_out, ws, algo)
+    else:
+        run_fallback(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
+                     q_out, scales_out, ar_out, ws)

@@ -1,0 +1,101 @@
+"""Where everything lives in a workspace: the signal-pad regions, the device error word, the pinned
+error words and the split of the data buffer. Pure Python (no torch, CUDA or CuTe): imported by
+``distnorm.comm`` (the workspace), the host ops and the kernels alike, so each number has one home.
+
+Signal pad (per rank, ``Workspace.signal_bytes``, u32 words), regions of ``REGION_WORDS`` words:
+
+    region 0  REGION_BARRIER_TEST  the barrier self-test kernel (tests/barrier_kernel.py)
+    region 1  REGION_ONESHOT       one-shot's cross-rank CTA barrier
+    region 2  REGION_TWOSHOT       two-shot's cross-rank CTA barrier
+    region 3  REGION_LAMPORT       lamport's call state (LAMPORT_W_* words below)
+    region 4  REGION_DEVICE_ERROR  word 0: the device error word (DEVICE_ERROR_WORD)
+
+A barrier region holds ``epochs[MAX_CTAS]`` then ``flags[MAX_CTAS][MAX_WORLD]`` (kernels/sync.py).
+Each algorithm owns its region: two kernels on one region would advance each other's epochs.
+Append new regions; never reuse an index.
+
+Device error word: a kernel that times out sets it (beside the pinned words); spinning threads poll
+it to give up early. They never poll the pinned words: a GPU read of host memory is slow in a VM, and
+polling it made every wait that reached the check late enough to trigger it on the peers too.
+
+Pinned error words (``Workspace.error_flag``, int32 [ERROR_WORDS] in host memory): [ERR_CODE] =
+error code (ERROR_*), [ERR_PEER] = the rank waited on, [ERR_EPOCH] = the epoch / lamport area.
+
+Data buffer (per rank, ``Workspace.buffer_bytes``)::
+
+    [0, general)                  one-shot / two-shot data
+    [general + k * area, +area)   lamport area k = 0, 1, 2, each [world slots][rows][H] of T
+
+``lamport_split(buffer_bytes)`` gives (general, area): the lamport areas take about a quarter, every
+boundary 16-byte aligned, fixed per buffer size, so algorithms can be mixed call by call.
+
+Lamport call state (region 3, this rank's pad only): word LAMPORT_W_AREA = area index of the next
+call, LAMPORT_W_ARRIVE = CTA arrival counter of the running call, LAMPORT_W_VECS + k = 16-byte
+vectors per slot the last call that used area k wrote there. An empty area holds LAMPORT_SENTINEL in
+every 32-bit word (NOTE [lamport sentinel] in kernels/allreduce.py).
+"""
+from __future__ import annotations
+
+__all__ = [
+    "MAX_CTAS", "MAX_WORLD", "REGION_WORDS", "REGION_BARRIER_TEST", "REGION_ONESHOT",
+    "REGION_TWOSHOT", "REGION_LAMPORT", "REGION_DEVICE_ERROR", "region_word", "DEVICE_ERROR_WORD",
+    "MIN_SIGNAL_BYTES", "ERROR_NONE", "ERROR_TIMEOUT", "ERROR_NAMES", "ERROR_WORDS", "ERR_CODE",
+    "ERR_PEER", "ERR_EPOCH", "LAMPORT_AREAS", "LAMPORT_SENTINEL", "LAMPORT_SENTINEL_I32",
+    "LAMPORT_W_AREA", "LAMPORT_W_ARRIVE", "LAMPORT_W_VECS", "LAMPORT_STATE_WORDS",
+    "lamport_split", "check_signal_pad",
+]
+
+MAX_CTAS = 1024   # CTA indices a barrier region has epochs and flags for
+MAX_WORLD = 8     # ranks a barrier region has flags for
+REGION_WORDS = MAX_CTAS + MAX_CTAS * MAX_WORLD  # 9216 words = 36 KiB
+
+REGION_BARRIER_TEST = 0
+REGION_ONESHOT = 1
+REGION_TWOSHOT = 2
+REGION_LAMPORT = 3
+REGION_DEVICE_ERROR = 4
+
+
+def region_word(region: int) -> int:
+    """First u32 word of signal-pad region ``region``."""
+    return region * REGION_WORDS
+
+
+DEVICE_ERROR_WORD = region_word(REGION_DEVICE_ERROR)
+MIN_SIGNAL_BYTES = (DEVICE_ERROR_WORD + 1) * 4  # every region and the device error word fit
+
+# pinned error words
+ERROR_NONE = 0
+ERROR_TIMEOUT = 1  # a device-side wait on a peer gave up
+ERROR_NAMES = {ERROR_NONE: "none", ERROR_TIMEOUT: "timeout"}
+ERROR_WORDS = 4
+ERR_CODE, ERR_PEER, ERR_EPOCH = 0, 1, 2
+
+# lamport
+LAMPORT_AREAS = 3
+LAMPORT_SENTINEL = 0xFFFFFFFF   # every 32-bit word of an empty area
+LAMPORT_SENTINEL_I32 = -1       # the same bits as a signed 32-bit value
+LAMPORT_W_AREA, LAMPORT_W_ARRIVE, LAMPORT_W_VECS = 0, 1, 2
+LAMPORT_STATE_WORDS = LAMPORT_W_VECS + LAMPORT_AREAS
+_LAMPORT_FRACTION = 4  # the lamport areas take 1/_LAMPORT_FRACTION of the data buffer
+
+
+def lamport_split(buffer_bytes: int) -> tuple[int, int]:
+    """(general, area): bytes of the data buffer left to one-shot / two-shot at its start, and the
+    size of each of the three lamport areas after them (all multiples of 16)."""
+    area = buffer_bytes // _LAMPORT_FRACTION // LAMPORT_AREAS // 16 * 16
+    general = (buffer_bytes - LAMPORT_AREAS * area) // 16 * 16
+    return general, area
+
+
+def check_signal_pad(signal_bytes: int, world: int, ctas: int | None = None) -> None:
+    """ValueError unless a signal pad of ``signal_bytes`` holds every region and the device error
+    word, the group has at most MAX_WORLD ranks and ``ctas`` (when given) is in 1..MAX_CTAS."""
+    if signal_bytes < MIN_SIGNAL_BYTES:
+        raise ValueError(f"the all-reduce kernels need a signal pad of >= {MIN_SIGNAL_BYTES} bytes, "
+                         f"the workspace has {signal_bytes}; create it with a larger signal_bytes")
+    if world > MAX_WORLD:
+        raise ValueError(f"the all-reduce kernels support at most {MAX_WORLD} ranks, the group has "
+                         f"{world}")
+    if ctas is not None and not 1 <= ctas <= MAX_CTAS:
+        raise ValueError(f"the cross-rank barrier supports 1..{MAX_CTAS} CTAs, got {ctas}")

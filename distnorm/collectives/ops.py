@@ -1,0 +1,143 @@
+"""User-facing all-reduce ops over a `distnorm.comm.Workspace`: fused all-reduce + residual add +
+RMSNorm (+ quantization), and a plain all-reduce.
+
+    out = allreduce_add_rmsnorm(x, residual, weight, eps, workspace=ws, quant="fp8", scale=s)
+    s = allreduce(x, workspace=ws)
+
+This module checks arguments and allocates outputs; collectives/dispatch.py runs the call
+(plan.py picks the algorithm and the rows per launch; state.py keeps the workspace's state).
+Both are the torch.library custom op `distnorm::allreduce_add_rmsnorm_out` (outputs passed in and
+mutated) under torch.compile; eager calls skip the dispatcher.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from distnorm.args import allocate_outputs, check_op_inputs, check_rows, returned_scales
+from distnorm.collectives import dispatch
+from distnorm.collectives.plan import ALGOS
+from distnorm.collectives.state import state_of
+from distnorm.comm.workspace import Workspace
+from distnorm.formats import (MAX_HIDDEN, MIN_HIDDEN, VEC, NormQuantOutput, QuantSpec,
+                              make_quant_spec, spec_code)
+
+__all__ = ["allreduce_add_rmsnorm", "allreduce", "reset"]
+
+# The workspace cannot travel through an op schema: compiled graphs carry its handle (never reused,
+# AllReduceState.handle) and find it here. Weak: a workspace in a compiled graph is not kept alive.
+_BY_HANDLE: "weakref.WeakValueDictionary[int, Workspace]" = weakref.WeakValueDictionary()
+
+
+def _handle(ws: Workspace) -> int:
+    h = state_of(ws).handle
+    _BY_HANDLE[h] = ws
+    return h
+
+
+def _workspace(handle: int) -> Workspace:
+    ws = _BY_HANDLE.get(handle)
+    if ws is None:
+        raise RuntimeError(f"distnorm: the workspace this graph was compiled with (handle {handle}) "
+                           "no longer exists")
+    return ws
+
+
+@torch.library.custom_op("distnorm::allreduce_add_rmsnorm_out",
+                         mutates_args=("residual_out", "y_out", "q_out", "scales_out", "allreduce_out"))
+def _allreduce_add_rmsnorm_out(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
+                               quant: str, scale: Optional[Tensor], global_scale: Optional[Tensor],
+                               gemma: bool, residual_out: Optional[Tensor], y_out: Optional[Tensor],
+                               q_out: Optional[Tensor], scales_out: Optional[Tensor],
+                               allreduce_out: Optional[Tensor], workspace: int, algo: str) -> None:
+    dispatch.run(x, residual, weight, eps, QuantSpec.from_code(quant), scale, global_scale, gemma,
+                 residual_out, y_out, q_out, scales_out, allreduce_out, _workspace(workspace), algo)
+
+
+@_allreduce_add_rmsnorm_out.register_fake
+def _(x, residual, weight, eps, quant, scale, global_scale, gemma, residual_out, y_out, q_out,
+      scales_out, allreduce_out, workspace, algo) -> None:
+    return None
+
+
+def _check_call(ws, x: Tensor, algo: str) -> None:
+    if algo not in ALGOS:
+        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    if not isinstance(ws, Workspace):
+        raise TypeError(f"workspace must be a distnorm.Workspace, got {type(ws).__name__}")
+    if ws.closed:
+        raise RuntimeError("workspace is closed")
+    if x.is_cuda and ws.p2p_ok and x.device != ws.device:
+        raise ValueError(f"x is on {x.device} but the workspace on {ws.device}")
+
+
+def allreduce_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-6,
+                          *, workspace: Workspace, quant: Optional[str] = None,
+                          scale: Optional[Tensor] = None, global_scale: Optional[Tensor] = None,
+                          group_size: int = 128, sf_layout: str = "swizzled",
+                          scale_major: str = "row", scale_ue8m0: bool = False, gemma: bool = False,
+                          norm_out: bool = False, allreduce_out: bool = False, algo: str = "auto",
+                          residual_out: Optional[Tensor] = None, y_out: Optional[Tensor] = None,
+                          q_out: Optional[Tensor] = None, scales_out: Optional[Tensor] = None,
+                          ) -> NormQuantOutput:
+    """All-reduce of x over the workspace's group (ordered float32 sum), then [residual add] +
+    RMSNorm [+ quantization], as distnorm.add_rmsnorm with x replaced by the sum.
+
+    Every rank passes its own x [M, H] (same M, H, dtype, options on all ranks) and the same
+    residual/weight. Returns NormQuantOutput(residual=h, y, q, scales, allreduce=T(acc) when
+    allreduce_out). algo: "auto" | "lamport" | "oneshot" | "twoshot".
+    """
+    spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
+                           scale_major=scale_major, scale_ue8m0=scale_ue8m0)
+    check_op_inputs(x, residual, weight, spec, scale, global_scale, eps)
+    _check_call(workspace, x, algo)
+    want_y = norm_out or spec is None or y_out is not None
+    residual_out, y_out, q_out, scales_out = allocate_outputs(
+        x, spec, residual is not None, want_y, residual_out, y_out, q_out, scales_out)
+    ar_out = torch.empty_like(x, memory_format=torch.contiguous_format) if allreduce_out else None
+    if torch.compiler.is_compiling():
+        _allreduce_add_rmsnorm_out(x, residual, weight, float(eps), spec_code(spec), scale,
+                                   global_scale, gemma, residual_out, y_out, q_out, scales_out,
+                                   ar_out, _handle(workspace), algo)
+    else:
+        dispatch.run(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
+                     q_out, scales_out, ar_out, workspace, algo)
+    return NormQuantOutput(residual_out, y_out, q_out, returned_scales(spec, scale, scales_out),
+                           ar_out)
+
+
+def allreduce(x: Tensor, *, workspace: Workspace, algo: str = "auto",
+              out: Optional[Tensor] = None) -> Tensor:
+    """Plain all-reduce: T(ordered float32 sum of every rank's x), bitwise identical on all ranks.
+    x: [M, H] bf16/fp16. Runs the same kernels with no residual, no norm output and no
+    quantization."""
+    if not isinstance(x, Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D [M, H] tensor, got {getattr(x, 'shape', x)!r}")
+    check_rows("x", x, None, x.shape)
+    if x.shape[1] % VEC or not MIN_HIDDEN <= x.shape[1] <= MAX_HIDDEN:
+        raise ValueError(f"H must be a multiple of {VEC} in [{MIN_HIDDEN}, {MAX_HIDDEN}], "
+                         f"got {x.shape[1]}")
+    _check_call(workspace, x, algo)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        check_rows("out", out, x, x.shape)
+    # the kernel takes a weight even when nothing but the all-reduce output is written
+    w = state_of(workspace).ones(x)
+    if torch.compiler.is_compiling():
+        _allreduce_add_rmsnorm_out(x, None, w, 1e-6, spec_code(None), None, None, False, None,
+                                   None, None, None, out, _handle(workspace), algo)
+    else:
+        dispatch.run(x, None, w, 1e-6, None, None, None, False, None, None, None, None, out,
+                     workspace, algo)
+    return out
+
+
+def reset(workspace: Workspace) -> None:
+    """Make a workspace usable again after a CommTimeoutError: clear its error words, zero its
+    barrier regions and refill its lamport areas. Collective: call on every rank, while no kernel of
+    the workspace runs anywhere."""
+    state_of(workspace).reset(workspace)

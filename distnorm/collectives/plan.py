@@ -1,0 +1,176 @@
+"""Planning an all-reduce call: which algorithm, how many rows per launch, launch settings.
+
+Pure Python (no torch): the registry of algorithms (ALGORITHMS), the measured crossover tables
+`algo="auto"` chooses by, the per-launch row capacities that keep a launch inside its part of the
+workspace's data buffer (layout.lamport_split), and the tuning knobs (Tuning, read from the
+environment in Tuning.from_env and nowhere else).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+from distnorm.collectives.layout import (LAMPORT_AREAS, REGION_LAMPORT, REGION_ONESHOT,
+                                         REGION_TWOSHOT, lamport_split)
+
+__all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "Tuning", "choose_algo", "lamport_capacity",
+           "max_chunk_rows", "plan_launch", "LAMPORT_CROSSOVER_BYTES", "LAMPORT_CROSSOVER_BYTES_PLAIN",
+           "ONESHOT_CROSSOVER_BYTES"]
+
+SWIZZLE_ROWS = 128  # swizzled scales come in 128-row tiles: chunks after the first start at multiples
+
+
+def _slot_rows(world: int, row_bytes: int, part_bytes: int, gather_acc: bool, swizzled: bool) -> int:
+    """one-shot / lamport: world slots of the call's rows."""
+    return part_bytes // (world * row_bytes)
+
+
+def _twoshot_rows(world: int, row_bytes: int, part_bytes: int, gather_acc: bool, swizzled: bool) -> int:
+    """two-shot: scatter [world][S] + gather h [world * S] (+ gather acc [world * S]) rows, S =
+    ceil(rows / world), rows padded to 128 for swizzled scales (so the cap is a multiple of 128)."""
+    cap = part_bytes // ((2 + int(gather_acc)) * row_bytes) - (world - 1)
+    return cap // SWIZZLE_ROWS * SWIZZLE_ROWS if swizzled else cap
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """What the host needs to know of one all-reduce algorithm of kernels/allreduce.py.
+
+    region: its signal-pad region (layout.REGION_*).
+    lamport_part: True if it uses the three lamport areas of the data buffer (one per call), False if
+      the general part before them.
+    rows: (world, row_bytes, part_bytes, gather_acc, swizzled) -> most rows one launch may take.
+    ptr_tables: peer-pointer table entries per rank (lamport: one per area).
+    """
+
+    name: str
+    region: int
+    lamport_part: bool
+    rows: Callable[[int, int, int, bool, bool], int]
+    ptr_tables: int = 1
+
+
+ALGORITHMS = {
+    "lamport": Algorithm("lamport", REGION_LAMPORT, True, _slot_rows, LAMPORT_AREAS),
+    "oneshot": Algorithm("oneshot", REGION_ONESHOT, False, _slot_rows),
+    "twoshot": Algorithm("twoshot", REGION_TWOSHOT, False, _twoshot_rows),
+}
+ALGOS = ("auto",) + tuple(ALGORITHMS)
+
+# Crossovers in bytes per rank (M * H * element size), by world size.
+# World 2: measured on 2 x H200 (NV18), benchmarks/results/allreduce_fusion_h200_x2.md, command
+#   torchrun --nproc-per-node 2 benchmarks/bench_allreduce_fusion.py --out benchmarks/results/allreduce_fusion_h200_x2
+#   fused fp8: lamport 17.6 us vs two-shot 22.2 at 4 MiB (512 x 4096); two-shot 34.2 vs lamport 35.3
+#   at 8 MiB (512 x 8192), 61.2 vs 75.1 at 16 MiB: lamport up to 4 MiB. Plain all-reduce (no
+#   epilogue): lamport 30.6 vs two-shot 33.1 at 8 MiB, two-shot 57.6 vs 64.7 at 16 MiB: lamport up
+#   to 8 MiB. One-shot never wins.
+# World 4: measured on 4 x H200, benchmarks/results/allreduce_fusion_h200_x4.md (same command with
+#   --nproc-per-node 4): fused fp8, lamport 17.9 us vs two-shot 19.1 at 1 MiB (128 x 4096); two-shot
+#   25.1 vs lamport 33.4 at 2 MiB (128 x 8192): lamport up to 1 MiB; plain all-reduce likewise
+#   (17.2 vs 17.9 at 1 MiB, 24.3 vs 33.1 at 2 MiB).
+# World 8: NOT measured (8-GPU machines were not lent): half of world 4's, to be replaced.
+LAMPORT_CROSSOVER_BYTES = {2: 4 << 20, 4: 1 << 20, 8: 512 << 10}
+LAMPORT_CROSSOVER_BYTES_PLAIN = {2: 8 << 20, 4: 1 << 20, 8: 512 << 10}  # distnorm.allreduce
+# Bytes per rank up to which the barrier one-shot beats two-shot when lamport does not apply
+# (M beyond one lamport area): one-shot lost to lamport or two-shot at every measured size.
+ONESHOT_CROSSOVER_BYTES = {2: 8 << 20, 4: 1 << 20, 8: 512 << 10}
+
+
+def _by_world(table: Mapping[int, int], world: int) -> int:
+    return table.get(world, table[8])
+
+
+def _default_rows_per_cta() -> dict:
+    # One row per CTA spreads small-M lamport / one-shot calls over twice the SMs at H=4096: fused
+    # fp8 lamport on 2 x H200, M=8 / 32 / 128 x 4096: 4.15 / 4.81 / 7.18 us vs 4.66 / 5.20 / 8.02
+    # with two rows per CTA, equal elsewhere (benchmarks/results/allreduce_fusion_h200_x2.md,
+    # --tuning runs). 0 = choose_tiling's (kernels/compile_allreduce.py).
+    return {"lamport": 1, "oneshot": 1, "twoshot": 0}
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch settings that do not change results (benchmarks A/B them).
+
+    pdl: programmatic dependent launch (NOTE [programmatic dependent launch] in kernels/allreduce.py).
+    rows_per_cta: {algo: rows per CTA}, 0 = choose_tiling's.
+    timeout_s: how long a CTA waits for a peer before it records a timeout and gives up.
+    """
+
+    pdl: bool = True
+    rows_per_cta: Mapping[str, int] = field(default_factory=_default_rows_per_cta)
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 s, got {self.timeout_s!r}")
+
+    @property
+    def timeout_ns(self) -> int:
+        return int(self.timeout_s * 1e9)
+
+    @classmethod
+    def from_env(cls) -> "Tuning":
+        """The defaults, overridden by DISTNORM_PDL=0 (no programmatic dependent launch) and
+        DISTNORM_BARRIER_TIMEOUT_S (seconds)."""
+        timeout = os.environ.get("DISTNORM_BARRIER_TIMEOUT_S")
+        try:
+            timeout_s = float(timeout) if timeout else cls.timeout_s
+        except ValueError:
+            raise ValueError(f"DISTNORM_BARRIER_TIMEOUT_S must be a number of seconds, got "
+                             f"{timeout!r}") from None
+        return cls(pdl=os.environ.get("DISTNORM_PDL", "1") != "0", timeout_s=timeout_s)
+
+
+def lamport_capacity(world: int, hidden: int, elem_size: int, buffer_bytes: int) -> int:
+    """Most rows one lamport launch may take: world * rows * H * elem_size <= one area (exact)."""
+    return _slot_rows(world, hidden * elem_size, lamport_split(buffer_bytes)[1], False, False)
+
+
+def choose_algo(algo: str, world: int, m: int, hidden: int, elem_size: int,
+                buffer_bytes: Optional[int] = None, plain: bool = False) -> str:
+    """The algorithm for `algo` ("auto" picks by bytes per rank; lamport only when, given the
+    workspace's buffer_bytes, one lamport launch holds all M rows). plain: a plain all-reduce (no
+    residual, norm or quantization output)."""
+    if algo not in ALGOS:
+        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    if algo != "auto":
+        return algo
+    if world <= 1:
+        return "oneshot"
+    nbytes = m * hidden * elem_size
+    lamport_table = LAMPORT_CROSSOVER_BYTES_PLAIN if plain else LAMPORT_CROSSOVER_BYTES
+    if nbytes <= _by_world(lamport_table, world) and (
+            buffer_bytes is None or m <= lamport_capacity(world, hidden, elem_size, buffer_bytes)):
+        return "lamport"
+    return "oneshot" if nbytes <= _by_world(ONESHOT_CROSSOVER_BYTES, world) else "twoshot"
+
+
+def max_chunk_rows(algo: str, world: int, m: int, hidden: int, elem_size: int, buffer_bytes: int,
+                   swizzled: bool, gather_acc: bool) -> int:
+    """Most rows one launch of `algo` may take without overflowing its part of the data buffer
+    (>= 1, else ValueError). buffer_bytes: the workspace's whole data buffer. Swizzled chunks after
+    the first start at multiples of 128 rows."""
+    general, area = lamport_split(buffer_bytes)
+    alg = ALGORITHMS[algo]
+    cap = alg.rows(world, hidden * elem_size, area if alg.lamport_part else general, gather_acc,
+                   swizzled)
+    if swizzled and m > cap:
+        cap = cap // SWIZZLE_ROWS * SWIZZLE_ROWS
+    if cap < 1:
+        raise ValueError(f"workspace buffer of {buffer_bytes} bytes cannot hold one chunk of "
+                         f"H={hidden} for {algo} on {world} ranks; create it with a larger buffer_bytes")
+    return cap
+
+
+def plan_launch(algo: str, world: int, m: int, hidden: int, elem_size: int, buffer_bytes: int,
+                swizzled: bool, gather_acc: bool, plain: bool) -> tuple[str, int]:
+    """(algorithm, rows per launch) for one call of m rows: choose_algo, except that a lamport call
+    with swizzled scales that needs chunks but whose area holds fewer than 128 rows runs one-shot."""
+    algo = choose_algo(algo, world, m, hidden, elem_size, buffer_bytes, plain)
+    if algo == "lamport" and swizzled and m > 1:
+        cap = lamport_capacity(world, hidden, elem_size, buffer_bytes)
+        if cap < m and cap < SWIZZLE_ROWS:
+            algo = "oneshot"
+    return algo, max_chunk_rows(algo, world, m, hidden, elem_size, buffer_bytes, swizzled, gather_acc)

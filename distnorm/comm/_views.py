@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-__all__ = ["tensor_from_ptr", "live_view_count"]
+__all__ = ["tensor_from_ptr", "live_view_count", "zero_device_bytes"]
 
 _KDL_CPU, _KDL_CUDA = 1, 2
 _KDL_UINT = 1
@@ -106,3 +106,12 @@ def tensor_from_ptr(ptr: int, nbytes: int, device: Any, owner: Any = None) -> An
     except BaseException:
         _live.pop(address, None)
         raise
+
+
+def zero_device_bytes(ptr: int, nbytes: int, device_index: int) -> None:
+    """Zero ``nbytes`` at device address ``ptr`` of GPU ``device_index`` and wait for it (how the
+    backends clear a fresh signal pad before the ranks agree that it is ready)."""
+    import torch
+
+    tensor_from_ptr(ptr, nbytes, torch.device("cuda", device_index)).zero_()
+    torch.cuda.synchronize(device_index)

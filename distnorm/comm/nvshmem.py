@@ -12,7 +12,7 @@ import os
 import socket
 from typing import Any
 
-from distnorm.comm._views import tensor_from_ptr
+from distnorm.comm._views import zero_device_bytes
 from distnorm.comm.bootstrap import Bootstrap, agree, agreed
 
 __all__ = ["NvshmemAllocation"]
@@ -95,9 +95,7 @@ class NvshmemAllocation:
                     ptrs.append(address)
                 self.buffer_ptrs = ptrs
                 self.signal_ptrs = [p + self.signal_offset for p in ptrs]
-                tensor_from_ptr(base, self.signal_offset + signal_bytes,
-                                torch.device("cuda", device_index)).zero_()
-                torch.cuda.synchronize(device_index)
+                zero_device_bytes(base, self.signal_offset + signal_bytes, device_index)
         except BaseException:
             self.close()
             raise

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from distnorm.comm._views import tensor_from_ptr
+from distnorm.comm._views import zero_device_bytes
 from distnorm.comm.bootstrap import Bootstrap, TorchBootstrap, agreed
 from distnorm.comm.errors import BackendUnavailable
 
@@ -94,9 +94,7 @@ class TorchSymmAllocation:
                         "size at the first symmetric allocation: call torch.distributed."
                         "_symmetric_memory.set_signal_pad_size() earlier or lower signal_bytes")
                 self._tensor.zero_()
-                tensor_from_ptr(self.signal_ptrs[rank], signal_bytes,
-                                torch.device("cuda", device_index)).zero_()
-                torch.cuda.synchronize(device_index)
+                zero_device_bytes(self.signal_ptrs[rank], signal_bytes, device_index)
         except BaseException:
             self.close()
             raise

@@ -126,9 +126,10 @@ class NormQuantCore:
 
     # ---- row loads and stores ------------------------------------------------------------------
     @cute.jit
-    def load_row(self, dst, tSrc, lane: Int32, vbase=None):
-        """dst (register fragment) <- this thread's vectors of the row tSrc (tiled in 8-element
-        vectors). vbase: index of this CTA's first vector of the row in a cluster (None: 0)."""
+    def _copy_row(self, frag, tRow, lane: Int32, store: cutlass.Constexpr, dtype, vbase):
+        """Between a register fragment and this thread's vectors of the row tRow (tiled in 8-element
+        vectors): store -> tRow <- frag converted to dtype, else frag <- tRow. vbase: index of this
+        CTA's first vector of the row in a cluster (None: 0)."""
         t = self.t
         for j in cutlass.range_constexpr(t.vecs_per_thread):
             v = lane + j * t.threads_per_row
@@ -136,19 +137,18 @@ class NormQuantCore:
                 idx = v
                 if const_expr(vbase is not None):
                     idx = vbase + v
-                self._slice(dst, j).store(tSrc[(None, idx)].load())
+                if const_expr(store):
+                    tRow[(None, idx)].store(self._slice(frag, j).load().to(dtype))
+                else:
+                    self._slice(frag, j).store(tRow[(None, idx)].load())
 
-    @cute.jit
-    def store_row(self, src, tDst, lane: Int32, dtype: cutlass.Constexpr, vbase=None):
+    def load_row(self, dst, tSrc, lane: Int32, vbase=None):
+        """dst (register fragment) <- this thread's vectors of the row tSrc."""
+        self._copy_row(dst, tSrc, lane, False, None, vbase)
+
+    def store_row(self, src, tDst, lane: Int32, dtype, vbase=None):
         """This thread's vectors of the row tDst <- src (register fragment) converted to dtype."""
-        t = self.t
-        for j in cutlass.range_constexpr(t.vecs_per_thread):
-            v = lane + j * t.threads_per_row
-            if const_expr(t.exact) or v < t.vecs_per_cta_row:
-                idx = v
-                if const_expr(vbase is not None):
-                    idx = vbase + v
-                tDst[(None, idx)].store(self._slice(src, j).load().to(dtype))
+        self._copy_row(src, tDst, lane, True, dtype, vbase)
 
     # ---- reductions ----------------------------------------------------------------------------
     @cute.jit

@@ -7,7 +7,7 @@ saturating e4m3 conversion.
 """
 from __future__ import annotations
 
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -25,85 +25,77 @@ def inline_asm(ret_type, args, text: str, constraints: str, side_effects: bool =
     )
 
 
-def _f(x, loc=None, ip=None):
+def ir_f32(x, loc=None, ip=None):
     return Float32(x).ir_value(loc=loc, ip=ip)
 
 
-def _i(x, loc=None, ip=None):
+def ir_i32(x, loc=None, ip=None):
     return Int32(x).ir_value(loc=loc, ip=ip)
 
 
-@dsl_user_op
-def rcp_rn(x, *, loc=None, ip=None) -> Float32:
-    """Correctly rounded 1/x (SEMANTICS.md `rcp`)."""
-    return Float32(inline_asm(T.f32(), [_f(x, loc, ip)], "rcp.rn.f32 $0, $1;", "=f,f"))
+def ir_i64(x, loc=None, ip=None):
+    return Int64(x).ir_value(loc=loc, ip=ip)
 
 
-@dsl_user_op
-def div_rn(a, b, *, loc=None, ip=None) -> Float32:
-    """Correctly rounded a / b."""
-    return Float32(inline_asm(T.f32(), [_f(a, loc, ip), _f(b, loc, ip)], "div.rn.f32 $0, $1, $2;", "=f,f,f"))
+def _f32_asm(text: str, constraints: str, *args) -> Float32:
+    """A float32 result of side-effect-free inline PTX over IR operands."""
+    return Float32(inline_asm(T.f32(), list(args), text, constraints))
 
 
-@dsl_user_op
-def rsqrt_rn(x, *, loc=None, ip=None) -> Float32:
-    """1/sqrt(x) as sqrt.rn then rcp.rn: what torch computes on the CPU for float32."""
-    return Float32(
-        inline_asm(
-            T.f32(),
-            [_f(x, loc, ip)],
-            "{ .reg .f32 s; sqrt.rn.f32 s, $1; rcp.rn.f32 $0, s; }",
-            "=f,f",
-        )
-    )
+def _i32_asm(text: str, constraints: str, *args) -> Int32:
+    return Int32(inline_asm(T.i32(), list(args), text, constraints))
 
 
-@dsl_user_op
-def fmax_nan(a, b, *, loc=None, ip=None) -> Float32:
-    """max that returns NaN if either input is NaN (torch.amax semantics)."""
-    return Float32(inline_asm(T.f32(), [_f(a, loc, ip), _f(b, loc, ip)], "max.NaN.f32 $0, $1, $2;", "=f,f,f"))
+def _unary_f32(text: str, doc: str):
+    """A float32 -> float32 primitive f(x) running `text` ($0 = result, $1 = x)."""
+    @dsl_user_op
+    def op(x, *, loc=None, ip=None) -> Float32:
+        return _f32_asm(text, "=f,f", ir_f32(x, loc, ip))
+    op.__doc__ = doc
+    return op
 
 
-@dsl_user_op
-def fabs(a, *, loc=None, ip=None) -> Float32:
-    return Float32(inline_asm(T.f32(), [_f(a, loc, ip)], "abs.f32 $0, $1;", "=f,f"))
+def _binary_f32(text: str, doc: str):
+    """A (float32, float32) -> float32 primitive f(a, b) running `text` ($0 = result)."""
+    @dsl_user_op
+    def op(a, b, *, loc=None, ip=None) -> Float32:
+        return _f32_asm(text, "=f,f,f", ir_f32(a, loc, ip), ir_f32(b, loc, ip))
+    op.__doc__ = doc
+    return op
+
+
+rcp_rn = _unary_f32("rcp.rn.f32 $0, $1;", "Correctly rounded 1/x (SEMANTICS.md `rcp`).")
+rsqrt_rn = _unary_f32("{ .reg .f32 s; sqrt.rn.f32 s, $1; rcp.rn.f32 $0, s; }",
+                      "1/sqrt(x) as sqrt.rn then rcp.rn: what torch computes on the CPU for float32.")
+fabs = _unary_f32("abs.f32 $0, $1;", "|x|.")
+div_rn = _binary_f32("div.rn.f32 $0, $1, $2;", "Correctly rounded a / b.")
+fmax_nan = _binary_f32("max.NaN.f32 $0, $1, $2;",
+                       "max that returns NaN if either input is NaN (torch.amax semantics).")
 
 
 @dsl_user_op
 def f32_bits(x, *, loc=None, ip=None) -> Int32:
-    return Int32(inline_asm(T.i32(), [_f(x, loc, ip)], "mov.b32 $0, $1;", "=r,f"))
+    return _i32_asm("mov.b32 $0, $1;", "=r,f", ir_f32(x, loc, ip))
 
 
 @dsl_user_op
 def bits_f32(x, *, loc=None, ip=None) -> Float32:
-    return Float32(inline_asm(T.f32(), [_i(x, loc, ip)], "mov.b32 $0, $1;", "=f,r"))
+    return _f32_asm("mov.b32 $0, $1;", "=f,r", ir_i32(x, loc, ip))
 
 
 @dsl_user_op
 def e4m3x2(hi, lo, *, loc=None, ip=None) -> Int32:
     """Two float32 -> two saturating e4m3 bytes in the low 16 bits (`lo` in the low byte)."""
-    return Int32(
-        inline_asm(
-            T.i32(),
-            [_f(hi, loc, ip), _f(lo, loc, ip)],
-            "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $2; cvt.u32.u16 $0, t; }",
-            "=r,f,f",
-        )
-    )
+    return _i32_asm("{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $2; cvt.u32.u16 $0, t; }",
+                    "=r,f,f", ir_f32(hi, loc, ip), ir_f32(lo, loc, ip))
 
 
 @dsl_user_op
 def e4m3_to_f32(byte, *, loc=None, ip=None) -> Float32:
     """The float32 value of the e4m3 byte in the low 8 bits of `byte` (exact)."""
-    return Float32(
-        inline_asm(
-            T.f32(),
-            [_i(byte, loc, ip)],
-            "{ .reg .b16 b; .reg .b32 h2; .reg .f16 h; cvt.u16.u32 b, $1; "
-            "cvt.rn.f16x2.e4m3x2 h2, b; mov.b32 {h, _}, h2; cvt.f32.f16 $0, h; }",
-            "=f,r",
-        )
-    )
+    return _f32_asm("{ .reg .b16 b; .reg .b32 h2; .reg .f16 h; cvt.u16.u32 b, $1; "
+                    "cvt.rn.f16x2.e4m3x2 h2, b; mov.b32 {h, _}, h2; cvt.f32.f16 $0, h; }",
+                    "=f,r", ir_i32(byte, loc, ip))
 
 
 @dsl_user_op
@@ -117,7 +109,7 @@ def st_shared_cluster_f32(local_smem_addr, cta_rank, value, *, loc=None, ip=None
     """Store `value` at the same smem offset in CTA `cta_rank` of this cluster (DSMEM)."""
     inline_asm(
         None,
-        [_i(local_smem_addr, loc, ip), _i(cta_rank, loc, ip), _f(value, loc, ip)],
+        [ir_i32(local_smem_addr, loc, ip), ir_i32(cta_rank, loc, ip), ir_f32(value, loc, ip)],
         "{ .reg .b32 r; mapa.shared::cluster.u32 r, $0, $1; st.shared::cluster.f32 [r], $2; }",
         "r,r,f",
         side_effects=True,

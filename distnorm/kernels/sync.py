@@ -36,7 +36,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from distnorm.collectives.layout import DEVICE_ERROR_WORD, ERROR_TIMEOUT, MAX_CTAS, MAX_WORLD
-from distnorm.kernels.ptx import inline_asm
+from distnorm.kernels.ptx import inline_asm, ir_i32, ir_i64
 
 __all__ = [
     "ld_acquire_sys_u32", "ld_relaxed_sys_u32", "ld_volatile_sys_u32", "st_release_sys_u32",
@@ -54,68 +54,43 @@ def _asm(ret_type, args, text: str, constraints: str, side_effects: bool = True)
     return inline_asm(ret_type, args, text, constraints, side_effects)
 
 
-def _i32(x, loc=None, ip=None):
-    return Int32(x).ir_value(loc=loc, ip=ip)
+def _load_u32(text: str):
+    """A u32 load primitive f(addr) -> Int32 running `text` ($0 = value, $1 = address)."""
+    @dsl_user_op
+    def load(addr, *, loc=None, ip=None) -> Int32:
+        return Int32(_asm(T.i32(), [ir_i64(addr, loc, ip)], text, "=r,l,~{memory}"))
+    return load
 
 
-def _i64(x, loc=None, ip=None):
-    return Int64(x).ir_value(loc=loc, ip=ip)
+def _store_u32(text: str):
+    """A u32 store / reduction primitive f(addr, v) running `text` ($0 = address, $1 = value)."""
+    @dsl_user_op
+    def store(addr, v, *, loc=None, ip=None) -> None:
+        _asm(None, [ir_i64(addr, loc, ip), ir_i32(v, loc, ip)], text, "l,r,~{memory}")
+    return store
 
 
-@dsl_user_op
-def ld_acquire_sys_u32(addr, *, loc=None, ip=None) -> Int32:
-    return Int32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.acquire.sys.global.u32 $0, [$1];",
-                      "=r,l,~{memory}"))
-
-
-@dsl_user_op
-def ld_relaxed_sys_u32(addr, *, loc=None, ip=None) -> Int32:
-    return Int32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.relaxed.sys.global.u32 $0, [$1];",
-                      "=r,l,~{memory}"))
-
-
-@dsl_user_op
-def ld_volatile_sys_u32(addr, *, loc=None, ip=None) -> Int32:
-    return Int32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.volatile.global.u32 $0, [$1];",
-                      "=r,l,~{memory}"))
-
-
-@dsl_user_op
-def st_release_sys_u32(addr, v, *, loc=None, ip=None) -> None:
-    _asm(None, [_i64(addr, loc, ip), _i32(v, loc, ip)], "st.release.sys.global.u32 [$0], $1;",
-         "l,r,~{memory}")
-
-
-@dsl_user_op
-def st_relaxed_sys_u32(addr, v, *, loc=None, ip=None) -> None:
-    _asm(None, [_i64(addr, loc, ip), _i32(v, loc, ip)], "st.relaxed.sys.global.u32 [$0], $1;",
-         "l,r,~{memory}")
-
-
-@dsl_user_op
-def st_volatile_u32(addr, v, *, loc=None, ip=None) -> None:
-    _asm(None, [_i64(addr, loc, ip), _i32(v, loc, ip)], "st.volatile.global.u32 [$0], $1;",
-         "l,r,~{memory}")
+ld_acquire_sys_u32 = _load_u32("ld.acquire.sys.global.u32 $0, [$1];")
+ld_relaxed_sys_u32 = _load_u32("ld.relaxed.sys.global.u32 $0, [$1];")
+ld_volatile_sys_u32 = _load_u32("ld.volatile.global.u32 $0, [$1];")
+st_release_sys_u32 = _store_u32("st.release.sys.global.u32 [$0], $1;")
+st_relaxed_sys_u32 = _store_u32("st.relaxed.sys.global.u32 [$0], $1;")
+st_volatile_u32 = _store_u32("st.volatile.global.u32 [$0], $1;")
+# fire-and-forget atomic add at GPU scope (counters read by the host after synchronize)
+atomic_add_gpu_u32 = _store_u32("red.relaxed.gpu.global.add.u32 [$0], $1;")
 
 
 @dsl_user_op
 def atomic_cas_sys_u32(addr, compare, value, *, loc=None, ip=None) -> Int32:
     """Atomic compare-and-swap at system scope; returns the old value (swap happened iff == compare)."""
-    return Int32(_asm(T.i32(), [_i64(addr, loc, ip), _i32(compare, loc, ip), _i32(value, loc, ip)],
+    return Int32(_asm(T.i32(), [ir_i64(addr, loc, ip), ir_i32(compare, loc, ip), ir_i32(value, loc, ip)],
                       "atom.relaxed.sys.global.cas.b32 $0, [$1], $2, $3;", "=r,l,r,r,~{memory}"))
-
-
-@dsl_user_op
-def atomic_add_gpu_u32(addr, v, *, loc=None, ip=None) -> None:
-    """Fire-and-forget atomic add at GPU scope (counters read by the host after synchronize)."""
-    _asm(None, [_i64(addr, loc, ip), _i32(v, loc, ip)], "red.relaxed.gpu.global.add.u32 [$0], $1;",
-         "l,r,~{memory}")
 
 
 @dsl_user_op
 def atom_add_acq_rel_gpu_u32(addr, v, *, loc=None, ip=None) -> Int32:
     """atom.acq_rel.gpu.global.add.u32: returns the old value."""
-    return Int32(_asm(T.i32(), [_i64(addr, loc, ip), _i32(v, loc, ip)],
+    return Int32(_asm(T.i32(), [ir_i64(addr, loc, ip), ir_i32(v, loc, ip)],
                       "atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;", "=r,l,r,~{memory}"))
 
 
@@ -133,7 +108,7 @@ def globaltimer_ns(*, loc=None, ip=None) -> Int64:
 def ld_volatile_sys_v4_u32(addr, *, loc=None, ip=None):
     """128-bit volatile load (bypasses L1; sees peers' stores without caching). Returns 4 Int32."""
     st = llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()])
-    res = _asm(st, [_i64(addr, loc, ip)], "ld.volatile.global.v4.u32 {$0, $1, $2, $3}, [$4];",
+    res = _asm(st, [ir_i64(addr, loc, ip)], "ld.volatile.global.v4.u32 {$0, $1, $2, $3}, [$4];",
                "=r,=r,=r,=r,l,~{memory}")
     return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
 
@@ -141,8 +116,8 @@ def ld_volatile_sys_v4_u32(addr, *, loc=None, ip=None):
 @dsl_user_op
 def st_volatile_sys_v4_u32(addr, a, b, c, d, *, loc=None, ip=None) -> None:
     """128-bit volatile store (16-byte aligned address)."""
-    _asm(None, [_i64(addr, loc, ip), _i32(a, loc, ip), _i32(b, loc, ip), _i32(c, loc, ip),
-                _i32(d, loc, ip)],
+    _asm(None, [ir_i64(addr, loc, ip), ir_i32(a, loc, ip), ir_i32(b, loc, ip), ir_i32(c, loc, ip),
+                ir_i32(d, loc, ip)],
          "st.volatile.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}")
 
 

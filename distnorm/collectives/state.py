@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 
 from distnorm.collectives.layout import (LAMPORT_AREAS, LAMPORT_SENTINEL_I32, LAMPORT_STATE_WORDS,
-                                         REGION_LAMPORT, REGION_ONESHOT, REGION_TWOSHOT,
-                                         REGION_WORDS, check_signal_pad, lamport_split, region_word)
-from distnorm.collectives.plan import Tuning
+                                         REGION_LAMPORT, REGION_WORDS, check_signal_pad,
+                                         lamport_split, region_word)
+from distnorm.collectives.plan import ALGORITHMS, Tuning
 from distnorm.formats import QuantSpec
 
 __all__ = ["AllReduceState", "state_of", "zero_region"]
@@ -78,8 +78,8 @@ class AllReduceState:
         """After a timeout: clear the error words, zero the barrier regions and refill the lamport
         areas. Collective: every rank, while no kernel of `ws` runs anywhere."""
         ws.reset_error()
-        for region in (REGION_ONESHOT, REGION_TWOSHOT):
-            zero_region(ws, region)
+        for algorithm in ALGORITHMS.values():
+            zero_region(ws, algorithm.region)
         self.prepare_lamport(ws)
 
     def grid_cap(self, device: torch.device, hidden: int, spec: QuantSpec, rows_per_cta: int) -> int:

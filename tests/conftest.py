@@ -1,7 +1,13 @@
-"""Shared pytest setup: import distnorm from this checkout; keep NVLink multicast off everywhere.
+"""Shared pytest setup: import distnorm from this checkout; keep NVLink multicast off everywhere;
+run the suite under any launcher (docs/TESTING.md).
 
 Multi-GPU tests (tests/multigpu) run their bodies through distnorm.launch.run_distributed: directly
 on each rank under torchrun / mpirun, else in one self-spawned process per visible GPU.
+
+Under a launcher with N > 1 ranks (tests/sharding.py): every rank uses its own GPU (local rank),
+the multi-GPU tests run first on every rank, and the other tests are split over the ranks
+(DISTNORM_SHARD=0: every rank runs all of them). At the end every rank leaves torch.distributed
+together (distnorm.launch.shutdown).
 """
 import os
 import sys
@@ -12,6 +18,78 @@ for _path in (_TESTS, _ROOT):  # tests/: helper modules (barrier_kernel, harness
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from distnorm.launch.env import apply_no_multicast_env  # noqa: E402
+import pytest  # noqa: E402
+
+from distnorm.launch.env import apply_no_multicast_env, detect_launch_env  # noqa: E402
+from sharding import ShardPlan, plan_shard, sharding_enabled  # noqa: E402
 
 apply_no_multicast_env()
+
+_PLAN = pytest.StashKey[ShardPlan]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    env = detect_launch_env()
+    if not env.is_multiprocess:
+        return
+    import torch
+
+    if torch.cuda.is_available():  # single-GPU tests use "cuda", the current device: this rank's own
+        from distnorm.launch import local_device_index
+
+        torch.cuda.set_device(local_device_index(env))
+
+
+def _shard_key(item: pytest.Item):
+    """None for a collective test; else the group this per-process test is run in."""
+    if item.get_closest_marker("multigpu"):
+        return None
+    shard_by = item.get_closest_marker("shard_by")
+    callspec = getattr(item, "callspec", None)
+    if shard_by is None or callspec is None:
+        return item.nodeid
+    missing = [name for name in shard_by.args if name not in callspec.params]
+    if missing:
+        raise pytest.UsageError(f"{item.nodeid}: shard_by names parameters {missing} it lacks")
+    return (item.path, item.originalname, tuple(callspec.params[name] for name in shard_by.args))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    env = detect_launch_env()
+    if not env.is_multiprocess or env.world_size == 1 or not sharding_enabled(os.environ):
+        return
+    plan = plan_shard([_shard_key(item) for item in items], env.rank, env.world_size)
+    config.stash[_PLAN] = plan
+    keep = set(plan.order)
+    deselected = [item for i, item in enumerate(items) if i not in keep]
+    items[:] = [items[i] for i in plan.order]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    env = detect_launch_env()
+    if not env.is_multiprocess:
+        return None
+    return f"distnorm: {env.launcher} rank {env.rank} of {env.world_size} (local rank {env.local_rank})"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    plan = config.stash.get(_PLAN, None)
+    if plan is not None:
+        terminalreporter.write_line(f"distnorm sharding: {plan.summary()}")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    plan = session.config.stash.get(_PLAN, None)
+    if plan is not None and not plan.order and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        # the other ranks got the selected tests: an empty share is not a failure of this rank
+        session.exitstatus = pytest.ExitCode.OK
+    from distnorm.launch import shutdown
+
+    try:
+        shutdown()  # waits for the ranks still running their share, then destroys the groups
+    except TimeoutError as e:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        sys.stderr.write(f"distnorm: torch.distributed shutdown failed: {e}\n")

@@ -1,6 +1,9 @@
 """CPU tests of the communication layer: fd passing between real processes over real sockets,
 the torch.distributed (gloo) bootstrap through spawn(), spawn's failure handling, Workspace
-argument checks, non-owning views, error-flag decoding."""
+argument checks, non-owning views, error-flag decoding.
+
+Processes started here use spawn(cpu_only=True): gloo and no GPU, also on GPU machines (three
+ranks on two GPUs are fine), and, under torchrun / mpirun, their own job, not the launcher's."""
 import ctypes
 import gc
 import multiprocessing
@@ -96,7 +99,7 @@ def _body_hang_at_exit() -> None:
 
 # --- fd passing -------------------------------------------------------------------------------
 def test_bootstrap_and_fd_exchange_across_real_processes():
-    spawn(_body_bootstrap_and_fds, 3, 0.3, timeout_s=60)
+    spawn(_body_bootstrap_and_fds, 3, 0.3, timeout_s=60, cpu_only=True)
 
 
 def _threaded_exchange(world: int, tag: str) -> list:
@@ -168,7 +171,7 @@ def test_fd_exchange_world_of_one_and_validation():
 def test_spawn_propagates_child_exception_quickly():
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1 of 2 failed: ValueError: deliberate") as info:
-        spawn(_body_raise_on_rank1, 2, timeout_s=60)
+        spawn(_body_raise_on_rank1, 2, timeout_s=60, cpu_only=True)
     assert "Traceback" in str(info.value) and "_body_raise_on_rank1" in str(info.value)
     assert time.monotonic() - start < 30
     assert multiprocessing.active_children() == []  # rank 0, stuck in a barrier, was killed
@@ -176,13 +179,13 @@ def test_spawn_propagates_child_exception_quickly():
 
 def test_spawn_propagates_child_assertion():
     with pytest.raises(AssertionError, match="deliberate assertion"):
-        spawn(_body_assert, 1, timeout_s=60)
+        spawn(_body_assert, 1, timeout_s=60, cpu_only=True)
 
 
 def test_spawn_kills_children_on_timeout():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="still running"):
-        spawn(_body_sleep, 2, timeout_s=3)
+        spawn(_body_sleep, 2, timeout_s=3, cpu_only=True)
     assert time.monotonic() - start < 20
     assert multiprocessing.active_children() == []
 
@@ -193,7 +196,7 @@ def test_spawn_kills_children_stuck_at_exit_after_success(monkeypatch):
     spawn_mod = importlib.import_module("distnorm.launch.spawn")  # the package's `spawn` is the function
     monkeypatch.setattr(spawn_mod, "_EXIT_GRACE_S", 0.5)
     with pytest.warns(RuntimeWarning, match=r"ranks \[0\] passed but did not exit"):
-        spawn(_body_hang_at_exit, 1, timeout_s=60)
+        spawn(_body_hang_at_exit, 1, timeout_s=60, cpu_only=True)
     assert multiprocessing.active_children() == []
 
 
@@ -514,7 +517,7 @@ def _body_fake_vmm() -> None:
 
 
 def test_vmm_protocol_with_fake_driver():
-    spawn(_body_fake_vmm, 3, timeout_s=60)
+    spawn(_body_fake_vmm, 3, timeout_s=60, cpu_only=True)
 
 
 # --- Workspace end to end on CPU: torch.cuda faked, VMM through the fake driver ------------------
@@ -619,7 +622,7 @@ def _workspace_topology(case: str) -> None:
 
 
 def test_workspace_end_to_end_with_faked_cuda():
-    spawn(_body_workspace_end_to_end, 2, timeout_s=60)
+    spawn(_body_workspace_end_to_end, 2, timeout_s=60, cpu_only=True)
 
 
 # --- workspaces and their op state are freed with them ---------------------------------------
@@ -666,4 +669,4 @@ def _body_workspaces_freed() -> None:
 def test_closed_workspaces_are_freed():
     """100 workspaces created, used (the CPU path of both all-reduce ops, and the compile handle
     table) and closed: weakrefs show that nothing in the package keeps one alive."""
-    spawn(_body_workspaces_freed, 2, timeout_s=120)
+    spawn(_body_workspaces_freed, 2, timeout_s=120, cpu_only=True)

@@ -1,11 +1,14 @@
-"""Launch environment parsing (torchrun / Open MPI / MPICH / single) and MPI port bootstrap logic."""
+"""Launch environment parsing (torchrun / Open MPI / MPICH / single), MPI port bootstrap logic,
+processes spawned from inside a launched rank, and shutdown (CPU, gloo)."""
 import os
+import time
 
 import pytest
 
 from distnorm.launch import dist as dist_mod
+from distnorm.launch import spawn
 from distnorm.launch.env import (NO_MULTICAST_ENV, LaunchEnv, apply_no_multicast_env,
-                                 detect_launch_env)
+                                 detect_launch_env, without_launcher_vars)
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
 OPENMPI = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
@@ -149,3 +152,101 @@ def test_free_port_is_bindable():
     port = dist_mod.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_init_distributed_cuda_argument_checks():
+    with pytest.raises(TypeError, match="cuda must be a bool"):
+        dist_mod.init_distributed(cuda="no")
+    with pytest.raises(ValueError, match="'nccl' needs CUDA"):
+        dist_mod.init_distributed(backend="nccl", cuda=False)
+
+
+def test_shutdown_argument_checks():
+    with pytest.raises(ValueError, match="timeout_s"):
+        dist_mod.shutdown(timeout_s=0)
+    with pytest.raises(ValueError, match="exit_timeout_s"):
+        dist_mod.shutdown(exit_timeout_s=-1)
+
+
+# --- processes started from inside a launched rank --------------------------------------------
+def test_without_launcher_vars_drops_every_launchers_variables():
+    environ = {**TORCHRUN, **OPENMPI, **MPICH, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+               "TORCHELASTIC_RUN_ID": "x", "PMIX_RANK": "5", "OMPI_MCA_btl": "self",
+               "HYDRA_CONTROL_FD": "7", "PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1",
+               "NCCL_NVLS_ENABLE": "0", "RANKING": "kept"}
+    clean = without_launcher_vars(environ)
+    assert clean == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1", "NCCL_NVLS_ENABLE": "0",
+                     "RANKING": "kept"}
+    assert detect_launch_env(clean) == LaunchEnv(0, 0, 1, 1, "single")
+    assert "RANK" in environ  # the input is not modified
+
+
+def _body_describes_itself(parent_port: str) -> None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    assert detect_launch_env() == LaunchEnv(rank, rank, 2, 2, "torchrun")
+    leaked = sorted(k for k in os.environ if k.startswith(("OMPI_", "PMI_", "TORCHELASTIC_")))
+    assert not leaked, f"rank {rank} inherited {leaked}"
+    assert os.environ["MASTER_PORT"] != parent_port
+    assert os.environ["DISTNORM_TEST_EXTRA"] == "yes"
+    assert dist.get_backend() == "gloo"
+
+
+def test_spawn_children_leave_the_enclosing_launchers_job(monkeypatch):
+    """A test that spawns from inside an mpirun / torchrun rank: the children form their own job."""
+    for key, value in {**OPENMPI, **TORCHRUN, "MASTER_ADDR": "10.9.9.9", "MASTER_PORT": "1",
+                       "TORCHELASTIC_RUN_ID": "outer"}.items():
+        monkeypatch.setenv(key, value)
+    assert detect_launch_env().rank == 3  # this process looks like rank 3 of an 8-rank job
+    spawn(_body_describes_itself, 2, "1", timeout_s=60, cpu_only=True,
+          env={"DISTNORM_TEST_EXTRA": "yes"})
+
+
+def test_spawn_cpu_only_argument_checks():
+    with pytest.raises(TypeError, match="cpu_only"):
+        spawn(_body_describes_itself, 1, cpu_only=1)
+    with pytest.raises(ValueError, match="cpu_only=True"):
+        spawn(_body_describes_itself, 1, backend="nccl", cpu_only=True)
+
+
+# --- shutdown: every rank leaves torch.distributed together ------------------------------------
+def _body_shutdown_together(late_s: float) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == 1:
+        time.sleep(late_s)  # rank 1 is still busy with its share of the tests
+    start = time.monotonic()
+    dist_mod.shutdown(timeout_s=60)
+    waited = time.monotonic() - start
+    assert not dist.is_initialized()
+    if rank == 0:
+        assert waited > late_s * 0.8, f"rank 0 left after {waited:.2f} s, before rank 1 arrived"
+    dist_mod.shutdown()  # a no-op once shut down
+
+
+def test_shutdown_waits_for_late_ranks_then_destroys():
+    spawn(_body_shutdown_together, 2, 1.5, timeout_s=60, cpu_only=True)
+
+
+def _body_shutdown_timeout() -> None:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()  # the store outlives the groups while held
+    if dist.get_rank() == 0:
+        with pytest.raises(TimeoutError, match="1 of 2 ranks reached"):
+            dist_mod.shutdown(timeout_s=1)
+        assert not dist.is_initialized()  # destroyed all the same
+        store.wait(["distnorm/shutdown/0/left"])  # keep serving the store until rank 1 left
+    else:
+        store.wait(["distnorm/shutdown/0/arrived"])
+        time.sleep(1.5)  # arrive after rank 0 gave up
+        dist_mod.shutdown(timeout_s=30)
+
+
+def test_shutdown_times_out_with_the_count():
+    spawn(_body_shutdown_timeout, 2, timeout_s=60, cpu_only=True)

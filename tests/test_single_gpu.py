@@ -1,7 +1,14 @@
 """GPU tests of the single-GPU fused kernel against distnorm.reference (skipped without CUDA).
 
-Every variant x {bf16, fp16} x H x M, fresh random inputs, outputs poisoned first, every element
-checked (bounds: tests/quant_check.py). Set DISTNORM_QUICK=1 for a reduced grid.
+Fresh random inputs, outputs poisoned first, every element checked (bounds: tests/quant_check.py).
+The grid of test_fused_norm (docs/TESTING.md), variants x {bf16, fp16} x H x M; a kernel compiles
+once per (variant, dtype, H), which is what a grid costs:
+- default: every (variant, dtype) at two hidden sizes, one edge (256 or 32768, alternating so each
+  variant meets both) and one middle size (rotating so each middle size is met), every M;
+- DISTNORM_QUICK=1: every (variant, dtype) at its edge hidden size only, M in {0, 1, 4099};
+- DISTNORM_FULL=1: every variant x dtype x H x M.
+Under a launcher with several ranks the cases of one (variant, dtype, H) run on one rank
+(shard_by, tests/sharding.py).
 """
 from __future__ import annotations
 
@@ -33,9 +40,39 @@ VARIANTS = {
     "mxfp4_swizzled": ("mxfp4", {"sf_layout": "swizzled"}),
     "mxfp4_linear": ("mxfp4", {"sf_layout": "linear"}),
 }
-QUICK = os.environ.get("DISTNORM_QUICK") == "1"
-HIDDEN = [256, 4096, 32768] if QUICK else [256, 1536, 4096, 5120, 8192, 16384, 32768]
-TOKENS = [0, 1, 7, 128, 4099] if not QUICK else [1, 7, 4099]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+EDGE_HIDDEN = (256, 32768)
+MIDDLE_HIDDEN = (1536, 4096, 5120, 8192, 16384)
+TOKENS = (0, 1, 7, 128, 4099)
+EDGE_TOKENS = (0, 1, 4099)
+
+
+def grid_level(environ) -> str:
+    """"quick", "default" or "full", from DISTNORM_QUICK / DISTNORM_FULL."""
+    quick, full = environ.get("DISTNORM_QUICK") == "1", environ.get("DISTNORM_FULL") == "1"
+    if quick and full:
+        raise ValueError("DISTNORM_QUICK=1 and DISTNORM_FULL=1 ask for different grids; set one")
+    return "quick" if quick else "full" if full else "default"
+
+
+def fused_norm_cases(level: str) -> list[tuple[str, str, int, int]]:
+    """(variant, dtype id, H, M) of test_fused_norm's grid at ``level``."""
+    if level not in ("quick", "default", "full"):
+        raise ValueError(f"level must be 'quick', 'default' or 'full', got {level!r}")
+    cases = []
+    for i, variant in enumerate(VARIANTS):
+        for d, dtype in enumerate(DTYPES):
+            if level == "full":
+                sizes = [(h, TOKENS) for h in sorted(EDGE_HIDDEN + MIDDLE_HIDDEN)]
+            else:
+                edge = EDGE_HIDDEN[(i + d) % 2]
+                middle = MIDDLE_HIDDEN[(2 * i + d) % len(MIDDLE_HIDDEN)]
+                sizes = [(edge, EDGE_TOKENS)] if level == "quick" else [(edge, TOKENS), (middle, TOKENS)]
+            cases += [(variant, dtype, h, m) for h, tokens in sizes for m in tokens]
+    return cases
+
+
+FUSED_NORM_CASES = fused_norm_cases(grid_level(os.environ))
 
 
 def make_inputs(M, H, dtype, seed, row_pad=0):
@@ -77,16 +114,15 @@ x, res if residual else None, w, 1e-6, norm_out=True, **kw)
         assert_quant_close(out.q, out.scales, ref, spec, M, H, scale=kw.get("scale"), global_scale=kw.get("global_scale"))
 
 
-@pytest.mark.parametrize("M", TOKENS)
-@pytest.mark.parametrize("H", HIDDEN)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.shard_by("variant", "dtype", "H")
+@pytest.mark.parametrize("variant, dtype, H, M", FUSED_NORM_CASES,
+                         ids=["-".join(map(str, case)) for case in FUSED_NORM_CASES])
 def test_fused_norm(variant, dtype, H, M):
     quant, _ = VARIANTS[variant]
     spec = formats.make_quant_spec(quant)
     if H % formats.hidden_multiple(spec):
         pytest.skip(f"H={H} is not a multiple of {variant}'s block")
-    run_and_check(variant, dtype, M, H)
+    run_and_check(variant, DTYPES[dtype], M, H)
 
 
 @pytest.mark.parametrize("variant", ["none", "fp8_per_token", "nvfp4_swizzled"])

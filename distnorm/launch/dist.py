@@ -3,7 +3,7 @@
     env = init_distributed()             # torchrun, mpirun, spawn(), or one plain process
     tp = get_or_create_group([0, 1])     # collective over WORLD: every rank calls it
     ...
-    cleanup()
+    shutdown()                           # at the end of a job: every rank leaves together
 
 On GPU machines each process uses GPU ``local_rank`` and NCCL (bound with ``device_id``); without
 CUDA, gloo. Under mpirun without MASTER_ADDR/MASTER_PORT, rank 0 picks a free port and mpi4py
@@ -15,6 +15,7 @@ import inspect
 import logging
 import os
 import socket
+import time
 import warnings
 from collections.abc import Sequence
 from datetime import timedelta
@@ -22,8 +23,8 @@ from typing import Any
 
 from distnorm.launch.env import LaunchEnv, apply_no_multicast_env, detect_launch_env
 
-__all__ = ["init_distributed", "cleanup", "get_or_create_group", "split_world", "free_port",
-           "mpi_comm_world", "local_device_index"]
+__all__ = ["init_distributed", "cleanup", "shutdown", "get_or_create_group", "split_world",
+           "free_port", "mpi_comm_world", "local_device_index"]
 
 log = logging.getLogger(__name__)
 
@@ -83,22 +84,34 @@ def _ensure_master_addr(env: LaunchEnv) -> None:
     os.environ["MASTER_PORT"] = str(port)
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> LaunchEnv:
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
+                     cuda: bool | None = None) -> LaunchEnv:
     """Initialize ``torch.distributed`` for this process once; later calls return the same env.
 
     backend: ``None`` picks ``"nccl"`` with CUDA, else ``"gloo"``.
     timeout_s: collective timeout handed to ``init_process_group``.
+    cuda: ``None`` uses CUDA when a GPU is visible; ``False`` keeps this process off the GPUs
+        (gloo, no device selected: CPU work may run more ranks than there are GPUs); ``True``
+        requires a GPU.
     """
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if cuda is not None and not isinstance(cuda, bool):
+        raise TypeError(f"cuda must be a bool or None, got {type(cuda).__name__}")
+    if cuda is False and backend is not None and "nccl" in backend:
+        raise ValueError(f"backend {backend!r} needs CUDA, but cuda=False")
     apply_no_multicast_env()
     import torch
     import torch.distributed as dist
 
     env = detect_launch_env()
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    gpu_visible = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    if cuda and not gpu_visible:
+        raise RuntimeError("init_distributed(cuda=True): torch sees no CUDA device "
+                           f"(torch {torch.__version__}, CUDA build: {torch.version.cuda})")
+    use_cuda = gpu_visible if cuda is None else cuda
     device_index = None
     if use_cuda:
         device_index = local_device_index(env)
@@ -176,3 +189,74 @@ def cleanup() -> None:
     _groups.clear()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+_shutdowns = 0  # how many shutdown() calls this process made: keys stay unique in a reused store
+
+
+def _store_barrier(store: Any, key: str, world: int, timeout_s: float) -> None:
+    """Wait on the rendezvous store until all ``world`` ranks passed ``key``.
+
+    The store, not a collective: a rank that finished its share early may wait here for minutes
+    without a communicator's watchdog timing out and aborting the job.
+    """
+    if store.add(f"{key}/arrived", 1) == world:
+        store.set(f"{key}/all", "1")
+    try:
+        store.wait([f"{key}/all"], timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001 - the store raises several types for a timeout
+        try:
+            arrived = f"{store.add(f'{key}/arrived', 0)} of {world}"
+        except Exception:  # noqa: BLE001 - the store itself is gone
+            arrived = f"not all {world}"
+        raise TimeoutError(f"{arrived} ranks reached {key!r} within {timeout_s:g} s "
+                           f"({type(e).__name__}: {e})") from e
+
+
+def shutdown(timeout_s: float = 900.0, exit_timeout_s: float = 60.0) -> None:
+    """Leave ``torch.distributed`` together at the end of a job; a no-op when it is not initialized.
+
+    Every rank waits for the others (through the rendezvous store, up to ``timeout_s``), destroys
+    its process groups (no "destroy_process_group() was not called" warning at exit), and rank 0,
+    which hosts the store under mpirun and spawn(), then waits up to ``exit_timeout_s`` for the
+    others to have destroyed theirs: a rank that exits while its peers still talk to its store
+    makes their heartbeat threads print connection errors.
+
+    Raises TimeoutError when the ranks do not all arrive within ``timeout_s`` (after destroying the
+    process groups here).
+    """
+    global _shutdowns
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if not exit_timeout_s > 0:
+        raise ValueError(f"exit_timeout_s must be > 0, got {exit_timeout_s}")
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        _groups.clear()
+        return
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()  # held here: it outlives the process groups
+    rank, world = dist.get_rank(), dist.get_world_size()
+    key = f"distnorm/shutdown/{_shutdowns}"
+    _shutdowns += 1
+    try:
+        _store_barrier(store, key, world, timeout_s)
+    finally:
+        cleanup()
+    try:
+        store.add(f"{key}/left", 1)
+        if rank == 0:
+            _wait_for_count(store, f"{key}/left", world, exit_timeout_s)
+    except Exception as e:  # noqa: BLE001 - the groups are gone; leaving late is not an error
+        log.warning("shutdown: rank %d could not wait for the others to leave (%s: %s)",
+                    rank, type(e).__name__, e)
+
+
+def _wait_for_count(store: Any, key: str, count: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{key!r} did not reach {count} within {timeout_s:g} s")
+        time.sleep(0.01)

@@ -14,7 +14,8 @@ import os
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
-__all__ = ["LaunchEnv", "detect_launch_env", "LAUNCHERS", "NO_MULTICAST_ENV", "apply_no_multicast_env"]
+__all__ = ["LaunchEnv", "detect_launch_env", "LAUNCHERS", "NO_MULTICAST_ENV", "apply_no_multicast_env",
+           "LAUNCHER_VARIABLES", "LAUNCHER_PREFIXES", "without_launcher_vars"]
 
 #: launcher names, in the order they are looked for
 LAUNCHERS = ("torchrun", "openmpi", "mpich", "single")
@@ -112,6 +113,29 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         if env is not None:
             return env
     return LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launcher="single")
+
+
+#: Variables through which a launcher tells a process its place in the job (torchrun's, and the
+#: rendezvous address its ranks share).
+LAUNCHER_VARIABLES = frozenset({
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+    "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+})
+#: Prefixes of the variables of torchrun's agent, Open MPI / PMIx, and MPICH / Hydra / PMI.
+LAUNCHER_PREFIXES = ("TORCHELASTIC_", "OMPI_", "PMIX_", "PMI_", "HYDRA_", "MPIR_")
+
+
+def without_launcher_vars(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``environ`` (default ``os.environ``) without any launcher's rank variables.
+
+    A process started from inside a launched rank must not take its parent's place in the job:
+    with the parent's ``OMPI_*`` variables an MPI library would join the parent's job, and
+    :func:`detect_launch_env` would describe the parent.
+    """
+    environ = os.environ if environ is None else environ
+    return {key: value for key, value in environ.items()
+            if key not in LAUNCHER_VARIABLES and not key.startswith(LAUNCHER_PREFIXES)}
 
 
 #: Environment that keeps NVLink multicast (NVLS / multimem) off in every library we touch.

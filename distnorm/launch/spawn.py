@@ -22,11 +22,12 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from distnorm.launch.env import detect_launch_env
+from distnorm.launch.env import detect_launch_env, without_launcher_vars
 
 __all__ = ["spawn", "in_multiprocess_launch", "run_distributed", "launch_world_size"]
 
 _EXIT_GRACE_S = 30.0  # after every rank reported success, how long exiting may take
+
 
 def in_multiprocess_launch() -> bool:
     """True when torchrun, mpirun or spawn() started this process (its rank variables are set)."""
@@ -42,17 +43,30 @@ def launch_world_size() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _child_environ(rank: int, nprocs: int, port: int,
+                   extra_env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of child ``rank``: the parent's without its launcher's variables (the child
+    belongs to its own job of ``nprocs``, not to the parent's), plus ``extra_env`` and its place."""
+    environ = without_launcher_vars(os.environ)
+    environ.update(extra_env)
+    environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
+                    "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port)})
+    return environ
+
+
 def _child(fn: Callable[..., Any], args: tuple, rank: int, nprocs: int, port: int,
-           backend: str | None, timeout_s: float, extra_env: Mapping[str, str],
+           backend: str | None, timeout_s: float, extra_env: Mapping[str, str], cpu_only: bool,
            results: Any) -> None:
-    os.environ.update(extra_env)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
-                       "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})
+    # Replaced before anything reads it (torch.distributed, MPI, detect_launch_env). Module-level
+    # code of fn's module already ran with the inherited environment while fn was unpickled.
+    environ = _child_environ(rank, nprocs, port, extra_env)
+    os.environ.clear()
+    os.environ.update(environ)
     from distnorm.launch.dist import cleanup, init_distributed
 
     try:
-        init_distributed(backend=backend, timeout_s=timeout_s)
+        init_distributed(backend=backend, timeout_s=timeout_s, cuda=False if cpu_only else None)
         fn(*args)
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
         # Report before tearing anything down: closing connections first would make the other
@@ -99,11 +113,15 @@ def _stop(procs: list[Any]) -> None:
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 300.0,
-          backend: str | None = None, env: Mapping[str, str] | None = None) -> None:
+          backend: str | None = None, env: Mapping[str, str] | None = None,
+          cpu_only: bool = False) -> None:
     """Start ``nprocs`` processes (multiprocessing "spawn"); each runs init_distributed() then fn(*args).
 
     fn and args must be picklable (fn defined at module level). ``env`` adds environment variables
-    in the children. Returns when every child finished; raises on the first failure or timeout.
+    in the children. The children form their own job: they never inherit the rank variables of a
+    launcher (torchrun, mpirun) that started this process. ``cpu_only=True`` keeps them off the
+    GPUs (gloo, no device selected), so CPU work may use more ranks than there are GPUs.
+    Returns when every child finished; raises on the first failure or timeout.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
@@ -111,6 +129,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 30
         raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if not isinstance(cpu_only, bool):
+        raise TypeError(f"cpu_only must be a bool, got {type(cpu_only).__name__}")
+    if cpu_only and backend is not None and "nccl" in backend:
+        raise ValueError(f"backend {backend!r} needs GPUs, but cpu_only=True")
     from distnorm.launch.dist import free_port
 
     ctx = mp.get_context("spawn")
@@ -118,7 +140,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 30
     port = free_port()
     procs = [ctx.Process(target=_child, name=f"distnorm-rank{rank}",
                          args=(fn, args, rank, nprocs, port, backend, timeout_s, dict(env or {}),
-                               results))
+                               cpu_only, results))
              for rank in range(nprocs)]
     deadline = time.monotonic() + timeout_s
     done: set[int] = set()

@@ -1,0 +1,145 @@
+"""CPU tests of the test suite's own setup: splitting tests over launched ranks (tests/sharding.py,
+conftest.py), and the grid levels of the single-GPU tests."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from distnorm.launch import without_launcher_vars
+from sharding import group_owners, plan_shard, sharding_enabled
+from test_single_gpu import (EDGE_HIDDEN, EDGE_TOKENS, MIDDLE_HIDDEN, TOKENS, VARIANTS,
+                             fused_norm_cases, grid_level)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --- sharding arithmetic ------------------------------------------------------------------------
+def test_groups_go_round_robin_in_order_of_first_appearance():
+    assert group_owners(["a", "a", "b", "c", "b", "d", "a"], 2) == [0, 0, 1, 0, 1, 1, 0]
+    assert group_owners(["a", "b", "c"], 1) == [0, 0, 0]
+    assert group_owners([], 4) == []
+
+
+@pytest.mark.parametrize("world", [0, -1, 1.0, True])
+def test_group_owners_rejects_bad_world_size(world):
+    with pytest.raises(ValueError, match="world_size"):
+        group_owners(["a"], world)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_every_per_process_item_runs_once_and_collective_items_everywhere(world):
+    keys = [None, None] + [("k", i // 3) for i in range(20)] + [f"solo{i}" for i in range(5)] + [None]
+    plans = [plan_shard(keys, rank, world) for rank in range(world)]
+    mine = [i for plan in plans for i in plan.mine]
+    per_process = [i for i, key in enumerate(keys) if key is not None]
+    assert sorted(mine) == per_process  # disjoint, and together everything
+    for plan in plans:
+        assert plan.order[:3] == [0, 1, 27]  # collective first, in collection order
+        owners = {keys[i] for i in plan.mine}
+        other = {keys[i] for p in plans if p is not plan for i in p.mine}
+        assert not owners & other, "a group was split over ranks"
+        assert plan.per_process_total == 25 and plan.groups_total == 12
+    sizes = [len(plan.mine) for plan in plans]
+    assert max(sizes) - min(sizes) <= 3 + 1  # groups of <= 3 items, dealt round robin
+
+
+def test_plan_summary_says_what_ran():
+    plan = plan_shard([None, "a", "b", "b"], 1, 2)
+    assert plan.mine == (2, 3)
+    assert plan.summary().startswith("rank 1 of 2 ran 2 of 3 per-process tests")
+    assert "1 multi-GPU tests (on every rank)" in plan.summary()
+    with pytest.raises(ValueError, match="rank must be in"):
+        plan_shard(["a"], 2, 2)
+
+
+@pytest.mark.parametrize("value, expected", [(None, True), ("1", True), ("0", False), (" 0 ", False)])
+def test_sharding_switch(value, expected):
+    assert sharding_enabled({} if value is None else {"DISTNORM_SHARD": value}) is expected
+
+
+def test_sharding_switch_rejects_other_values():
+    with pytest.raises(ValueError, match="DISTNORM_SHARD must be 0 or 1, got 'yes'"):
+        sharding_enabled({"DISTNORM_SHARD": "yes"})
+
+
+# --- the single-GPU grid ------------------------------------------------------------------------
+def test_grid_levels_from_the_environment():
+    assert grid_level({}) == "default"
+    assert grid_level({"DISTNORM_QUICK": "1"}) == "quick"
+    assert grid_level({"DISTNORM_FULL": "1"}) == "full"
+    with pytest.raises(ValueError, match="DISTNORM_QUICK=1 and DISTNORM_FULL=1"):
+        grid_level({"DISTNORM_QUICK": "1", "DISTNORM_FULL": "1"})
+    with pytest.raises(ValueError, match="level must be"):
+        fused_norm_cases("huge")
+
+
+def test_default_grid_covers_every_format_dtype_and_edge():
+    cases = fused_norm_cases("default")
+    assert len(cases) == len(set(cases)) == len(VARIANTS) * 2 * 2 * len(TOKENS)
+    for variant in VARIANTS:
+        for dtype in ("bf16", "fp16"):
+            mine = [c for c in cases if c[:2] == (variant, dtype)]
+            assert {m for *_, m in mine} == set(TOKENS)
+            assert len({h for _, _, h, _ in mine}) == 2  # two kernels to compile per pair
+        # each variant meets both edge hidden sizes with the edge row counts
+        for h in EDGE_HIDDEN:
+            assert {m for v, _, hh, m in cases if v == variant and hh == h} >= set(EDGE_TOKENS)
+    assert {h for _, _, h, _ in cases} == set(EDGE_HIDDEN + MIDDLE_HIDDEN)
+
+
+def test_grid_levels_nest():
+    quick, default, full = (set(fused_norm_cases(level)) for level in ("quick", "default", "full"))
+    assert quick < default < full
+    assert len(full) == len(VARIANTS) * 2 * 7 * 5
+    assert {(v, d) for v, d, *_ in quick} == {(v, d) for v in VARIANTS for d in ("bf16", "fp16")}
+
+
+# --- conftest under a (faked) launcher: collection only, no process group --------------------------
+def _collect_as(rank: int, world: int, *args: str, shard: str | None = None):
+    env = without_launcher_vars(os.environ)
+    env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world)})
+    env.pop("DISTNORM_QUICK", None)
+    env.pop("DISTNORM_FULL", None)
+    if shard is not None:
+        env["DISTNORM_SHARD"] = shard
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def _collected(proc) -> list[str]:
+    return [line for line in proc.stdout.splitlines() if "::" in line]
+
+
+def test_launched_ranks_split_the_grid_by_kernel():
+    files = ["tests/test_single_gpu.py", "tests/multigpu/test_barrier_gpu.py", "--collect-only"]
+    ranks = [_collect_as(rank, 2, *files) for rank in range(2)]
+    for proc in ranks:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    got = [_collected(proc) for proc in ranks]
+    everything = _collected(_collect_as(0, 2, *files, shard="0"))
+    barrier = [n for n in everything if "multigpu" in n]
+    assert len(barrier) == 3 and len(everything) == 3 + len(fused_norm_cases("default")) + 5
+    for names in got:
+        assert names[:3] == barrier  # collective tests first, on every rank
+    per_rank = [set(names[3:]) for names in got]
+    assert not per_rank[0] & per_rank[1] and per_rank[0] | per_rank[1] == set(everything) - set(barrier)
+
+    def kernels(names):
+        return {re.sub(r"-\d+\]$", "]", n) for n in names if "test_fused_norm" in n}
+    assert not kernels(per_rank[0]) & kernels(per_rank[1]), "a kernel's cases were split"
+    deselected = re.search(r"(\d+)/(\d+) tests collected \((\d+) deselected\)", ranks[0].stdout)
+    assert deselected and int(deselected.group(3)) == len(per_rank[1])
+
+
+def test_a_rank_with_an_empty_share_passes():
+    test = "tests/test_launch.py::test_single_process_default"
+    proc = _collect_as(1, 2, test)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "rank 1 of 2 ran 0 of 1 per-process tests" in proc.stdout
+    proc = _collect_as(0, 2, test)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]

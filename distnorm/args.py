@@ -2,10 +2,15 @@
 allocation, and the tensor views the kernels take.
 
 The eager ops first run the cheap `inputs_look_valid` / `scalar_looks_valid`; only when they say no
-does `check_inputs` run, to raise with the exact reason.
+does `check_inputs` run, to raise with the exact reason. Values inside tensors are not read (that
+would synchronize with the GPU and break CUDA graphs) unless value checks are on: DISTNORM_CHECK=1
+in the environment, or `distnorm.set_value_checks(True)`; then scale / global_scale must be finite
+and > 0 and x, residual and weight finite, or the call raises ValueError.
 """
 from __future__ import annotations
 
+import math
+import os
 from typing import Optional
 
 import torch
@@ -16,6 +21,47 @@ from .formats import (MAX_HIDDEN, MIN_HIDDEN, QuantSpec, check_hidden, empty_sca
 
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+_value_checks = os.environ.get("DISTNORM_CHECK", "0") == "1"
+
+
+def set_value_checks(enabled: bool) -> bool:
+    """Turn the value checks (module docstring) on or off for this process; returns the previous
+    setting. Off by default (DISTNORM_CHECK=1 turns them on at import)."""
+    global _value_checks
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    previous, _value_checks = _value_checks, enabled
+    return previous
+
+
+def check_values(x: Tensor, residual, weight: Tensor, spec: Optional[QuantSpec], scale,
+                 global_scale) -> None:
+    """With value checks on (and not during CUDA-graph capture): ValueError unless the format's
+    scale / global_scale is finite and > 0 and x, residual, weight are finite."""
+    if not _value_checks or torch.compiler.is_compiling() or (
+            x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    scalar = "" if spec is None else spec.info.scalar
+    for name, t in (("scale", scale), ("global_scale", global_scale)):
+        if scalar == name:
+            v = float(t.reshape(()).item())
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be finite and > 0 for quant={spec.kind!r}, got {v} "
+                                 "(value checks are on: DISTNORM_CHECK=1)")
+    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
+        if t is not None and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ValueError(f"{name} holds {bad} non-finite value(s) (value checks are on: "
+                             "DISTNORM_CHECK=1)")
+
+
+def check_eps(eps) -> None:
+    """eps must be a finite real number >= 0 (an int or float; not a bool)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (
+            math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
 
 
 def check_rows(name: str, t, like: Optional[Tensor], shape, dtype=None) -> None:
@@ -32,7 +78,7 @@ def check_rows(name: str, t, like: Optional[Tensor], shape, dtype=None) -> None:
         raise ValueError(f"{name} must be bfloat16 or float16, got {t.dtype}")
     if like is not None and t.device != like.device:
         raise ValueError(f"{name} must be on {like.device}, got {t.device}")
-    if t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:
+    if t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
 
 
@@ -55,8 +101,8 @@ def check_scalar_f32(name: str, t, device) -> None:
 def check_inputs(x, residual, weight, spec: Optional[QuantSpec], scale, global_scale, eps) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"x must be a 2-D [M, H] tensor, got shape {tuple(x.shape)}")
+    if x.dim() != 2:  # the ops flatten [..., H] first (rows.py)
+        raise ValueError(f"x must be a [..., H] tensor, got shape {tuple(x.shape)}")
     check_rows("x", x, None, x.shape)
     check_hidden(spec, x.shape[1])
     if residual is not None:
@@ -66,10 +112,9 @@ def check_inputs(x, residual, weight, spec: Optional[QuantSpec], scale, global_s
     if tuple(weight.shape) != (x.shape[1],) or weight.dtype != x.dtype or weight.device != x.device:
         raise ValueError(f"weight must be a [{x.shape[1]}] {x.dtype} tensor on {x.device}, got "
                          f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
-    if x.is_cuda and weight.stride(0) != 1:
-        raise ValueError("weight must be contiguous")
-    if not isinstance(eps, (float, int)) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    if weight.stride(0) != 1 and x.shape[1] > 1:
+        raise ValueError(f"weight must be contiguous, got stride {weight.stride(0)}")
+    check_eps(eps)
     scalar = "" if spec is None else spec.info.scalar
     if scalar == "scale":
         if scale is None:
@@ -85,19 +130,32 @@ def check_inputs(x, residual, weight, spec: Optional[QuantSpec], scale, global_s
 
 def check_op_inputs(x, residual, weight, spec: Optional[QuantSpec], scale, global_scale,
                     eps) -> None:
-    """Every op's input check: the cheap look first, check_inputs (which raises) only when it fails."""
+    """Every op's input check, on every device: the cheap look first, check_inputs (which raises)
+    only when it fails; the value checks when they are on. (Row alignment needs data pointers, which
+    torch.compile cannot trace: the ops check it at dispatch, check_rows_aligned.)"""
     scalar = "" if spec is None else spec.info.scalar
     if (not inputs_look_valid(x, residual, weight, spec, eps)
             or (scalar == "scale" and not scalar_looks_valid(scale, x))
             or (scalar == "global_scale" and not scalar_looks_valid(global_scale, x))):
         check_inputs(x, residual, weight, spec, scale, global_scale, eps)
+    if _value_checks:
+        check_values(x, residual, weight, spec, scale, global_scale)
 
 
 def check_rows_aligned(tensors, M: int) -> None:
-    """At dispatch: every (name, [M, H] tensor or None) has 16-byte aligned rows (check_aligned)."""
+    """At dispatch, on every device: every (name, [M, K] tensor or None) has 16-byte aligned rows
+    (what the kernels' 128-bit accesses need; checked on the CPU too, so both paths accept the
+    same inputs)."""
     for name, t in tensors:
         if t is not None and (t.data_ptr() | (t.stride(0) * t.element_size() if M > 1 else 0)) % 16:
             check_aligned(name, t)
+
+
+def _check_given(name: str, t, x: Tensor, shape, dtype) -> None:
+    """An output the caller passed: shape, dtype, device, last dim contiguous, aligned rows."""
+    if (type(t) is not Tensor or t.shape != shape or t.dtype != dtype or t.device != x.device
+            or (t.stride(-1) != 1 and shape[-1] > 1)):
+        check_rows(name, t, x, shape, dtype)
 
 
 def allocate_outputs(x: Tensor, spec: Optional[QuantSpec], has_residual: bool, want_y: bool,
@@ -107,18 +165,18 @@ def allocate_outputs(x: Tensor, spec: Optional[QuantSpec], has_residual: bool, w
     if has_residual:
         if residual_out is None:
             residual_out = torch.empty((M, H), dtype=x.dtype, device=x.device)
-        elif residual_out.shape != x.shape or residual_out.dtype != x.dtype:
-            check_rows("residual_out", residual_out, x, x.shape)
+        else:
+            _check_given("residual_out", residual_out, x, x.shape, x.dtype)
     if want_y:
         if y_out is None:
             y_out = torch.empty((M, H), dtype=x.dtype, device=x.device)
-        elif y_out.shape != x.shape or y_out.dtype != x.dtype:
-            check_rows("y_out", y_out, x, x.shape)
+        else:
+            _check_given("y_out", y_out, x, x.shape, x.dtype)
     if spec is not None:
         if q_out is None:
             q_out = torch.empty(q_shape(spec, M, H), dtype=q_dtype(spec), device=x.device)
-        elif q_out.shape != q_shape(spec, M, H) or q_out.dtype != q_dtype(spec):
-            check_rows("q_out", q_out, x, q_shape(spec, M, H), dtype=q_dtype(spec))
+        else:
+            _check_given("q_out", q_out, x, q_shape(spec, M, H), q_dtype(spec))
         geo = scales_geometry(spec, M, H)
         if geo is not None:
             if scales_out is None:
@@ -166,7 +224,7 @@ def kernel_views(spec: Optional[QuantSpec], q: Optional[Tensor], scales: Optiona
 
 def inputs_look_valid(x, residual, weight, spec, eps) -> bool:
     """Cheap checks of the common case; when False, check_inputs says exactly what is wrong."""
-    if type(eps) not in (float, int) or not eps >= 0:
+    if type(eps) not in (float, int) or not 0 <= eps < math.inf:
         return False
     if type(x) is not Tensor or x.dim() != 2 or x.dtype not in ACT_DTYPES:
         return False
@@ -175,11 +233,14 @@ def inputs_look_valid(x, residual, weight, spec, eps) -> bool:
         return False
     if type(weight) is not Tensor or weight.shape != (H,) or weight.dtype != x.dtype:
         return False
+    if x.stride(1) != 1 or weight.stride(0) != 1:
+        return False
     dev = x.get_device()
     if weight.get_device() != dev:
         return False
     if residual is not None and (type(residual) is not Tensor or residual.shape != x.shape
-                                 or residual.dtype != x.dtype or residual.get_device() != dev):
+                                 or residual.dtype != x.dtype or residual.get_device() != dev
+                                 or residual.stride(1) != 1):
         return False
     return True
 

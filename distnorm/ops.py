@@ -12,9 +12,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows_aligned, copy_outputs,
-                   kernel_views, returned_scales)
+from .args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows_aligned,
+                   copy_outputs, kernel_views, returned_scales)
 from .formats import NormQuantOutput, QuantSpec, kernel_spec, make_quant_spec, spec_code
+from .rows import call_on_rows
 
 
 # ---- kernel dispatch ----------------------------------------------------------------------------
@@ -42,8 +43,6 @@ def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, g
         return
     kernel = compiled_fused_norm(DTYPE_NAMES[x.dtype], H, kernel_spec(spec), residual is not None,
                                  gemma, y_out is not None, cluster_for(H, M))
-    check_rows_aligned((("x", x), ("residual", residual), ("residual_out", residual_out),
-                        ("y_out", y_out)), M)
     qv, sv = kernel_views(spec, q_out, scales_out)
     kernel(x, residual, residual_out, weight, y_out, qv, sv, scale, global_scale, float(eps))
 
@@ -59,6 +58,8 @@ def _run_reference(x, residual, weight, eps, spec, scale, global_scale, gemma, r
 
 def _impl(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out, q_out,
           scales_out) -> None:
+    check_rows_aligned((("x", x), ("residual", residual), ("residual_out", residual_out),
+                        ("y_out", y_out)), x.shape[0])
     if x.is_cuda:
         run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma,
                               residual_out, y_out, q_out, scales_out)
@@ -95,12 +96,19 @@ def add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
                 scales_out: Optional[Tensor] = None) -> NormQuantOutput:
     """Fused [residual add] + RMSNorm [+ quantization] on one GPU (or the reference on CPU).
 
-    x, residual: [M, H] bf16/fp16, rows may be strided (last dim contiguous, 16-byte aligned rows);
-    weight: [H] of x's dtype. quant: None | "fp8" | "fp8_per_token" | "fp8_per_group" | "nvfp4" |
+    x, residual: [..., H] bf16/fp16 (leading dims are flattened into M rows as a view; 2-D rows
+    may be strided: last dim contiguous, 16-byte aligned rows); weight: [H] of x's dtype. quant: None | "fp8" | "fp8_per_token" | "fp8_per_group" | "nvfp4" |
     "mxfp8" | "mxfp4" (docs/SEMANTICS.md); fp8 needs `scale`, nvfp4 `global_scale` (float32 [1]).
     Returns NormQuantOutput(residual=h [M, H] when a residual is given, y=T(y) when norm_out or no
-    quant, q, scales). Outputs passed in are written in place (residual_out may be `residual`).
+    quant, q, scales); residual, y and q have x's leading shape, scales the format's shape for the
+    flattened M. Outputs passed in are written in place (residual_out may be `residual`).
     """
+    if type(x) is not Tensor or x.dim() != 2:
+        return call_on_rows(add_rmsnorm, x, residual, weight, eps, quant=quant, scale=scale,
+                            global_scale=global_scale, group_size=group_size, sf_layout=sf_layout,
+                            scale_major=scale_major, scale_ue8m0=scale_ue8m0, gemma=gemma,
+                            norm_out=norm_out, residual_out=residual_out, y_out=y_out, q_out=q_out,
+                            scales_out=scales_out)
     spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
                            scale_major=scale_major, scale_ue8m0=scale_ue8m0)
     check_op_inputs(x, residual, weight, spec, scale, global_scale, eps)

@@ -37,8 +37,8 @@ def test_add_rmsnorm_option_errors(kwargs, exc, match):
 
 def test_add_rmsnorm_tensor_errors():
     x, res, w = _inputs()
-    with pytest.raises(ValueError, match="x must be a 2-D"):
-        distnorm.add_rmsnorm(x[0], None, w)
+    with pytest.raises(ValueError, match="x must be a \\[..., H\\] tensor, got a 0-d"):
+        distnorm.add_rmsnorm(x[0, 0], None, w)
     with pytest.raises(ValueError, match="x must be bfloat16 or float16"):
         distnorm.add_rmsnorm(x.float(), None, w.float())
     with pytest.raises(ValueError, match="residual"):

@@ -55,8 +55,6 @@ def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, resid
     kernel = compiled_allreduce(algo, ws.world_size, DTYPE_NAMES[x.dtype], H, kspec,
                                 residual is not None, gemma, y_out is not None, ar_out is not None,
                                 tuning.pdl, rows_per_cta)
-    check_rows_aligned((("x", x), ("residual", residual), ("residual_out", residual_out),
-                        ("y_out", y_out), ("allreduce_out", ar_out)), M)
     qv, sv = kernel_views(spec, q_out, scales_out)
     state.check_signal_pad(ws)
     ptrs = state.lamport_table(ws) if algo == "lamport" else ws.buffer_ptrs
@@ -125,6 +123,8 @@ def run_fallback(x, residual, weight, eps, spec, scale, global_scale, gemma, res
 def run(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out, q_out,
         scales_out, ar_out, ws, algo: str) -> None:
     """One all-reduce call on checked arguments and allocated outputs."""
+    check_rows_aligned((("x", x), ("residual", residual), ("residual_out", residual_out),
+                        ("y_out", y_out), ("allreduce_out", ar_out)), x.shape[0])
     if x.is_cuda and ws.p2p_ok:
         run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
                    q_out, scales_out, ar_out, ws, algo)

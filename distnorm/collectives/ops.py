@@ -17,13 +17,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from distnorm.args import allocate_outputs, check_op_inputs, check_rows, returned_scales
+from distnorm.args import (allocate_outputs, check_op_inputs, check_rows, check_values,
+                           returned_scales)
 from distnorm.collectives import dispatch
 from distnorm.collectives.plan import ALGOS
 from distnorm.collectives.state import state_of
 from distnorm.comm.workspace import Workspace
 from distnorm.formats import (MAX_HIDDEN, MIN_HIDDEN, VEC, NormQuantOutput, QuantSpec,
                               make_quant_spec, spec_code)
+from distnorm.rows import as_rows, call_on_rows
 
 __all__ = ["allreduce_add_rmsnorm", "allreduce", "reset"]
 
@@ -86,10 +88,18 @@ def allreduce_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor,
     """All-reduce of x over the workspace's group (ordered float32 sum), then [residual add] +
     RMSNorm [+ quantization], as distnorm.add_rmsnorm with x replaced by the sum.
 
-    Every rank passes its own x [M, H] (same M, H, dtype, options on all ranks) and the same
-    residual/weight. Returns NormQuantOutput(residual=h, y, q, scales, allreduce=T(acc) when
-    allreduce_out). algo: "auto" | "lamport" | "oneshot" | "twoshot".
+    Every rank passes its own x [..., H] (same shape, dtype, options on all ranks; leading dims are
+    flattened into M rows as a view) and the same residual/weight. Returns NormQuantOutput(
+    residual=h, y, q, scales, allreduce=T(acc) when allreduce_out), row outputs with x's leading
+    shape. algo: "auto" | "lamport" | "oneshot" | "twoshot".
     """
+    if type(x) is not Tensor or x.dim() != 2:
+        return call_on_rows(allreduce_add_rmsnorm, x, residual, weight, eps, workspace=workspace,
+                            quant=quant, scale=scale, global_scale=global_scale,
+                            group_size=group_size, sf_layout=sf_layout, scale_major=scale_major,
+                            scale_ue8m0=scale_ue8m0, gemma=gemma, norm_out=norm_out,
+                            allreduce_out=allreduce_out, algo=algo, residual_out=residual_out,
+                            y_out=y_out, q_out=q_out, scales_out=scales_out)
     spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
                            scale_major=scale_major, scale_ue8m0=scale_ue8m0)
     check_op_inputs(x, residual, weight, spec, scale, global_scale, eps)
@@ -112,15 +122,18 @@ def allreduce_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor,
 def allreduce(x: Tensor, *, workspace: Workspace, algo: str = "auto",
               out: Optional[Tensor] = None) -> Tensor:
     """Plain all-reduce: T(ordered float32 sum of every rank's x), bitwise identical on all ranks.
-    x: [M, H] bf16/fp16. Runs the same kernels with no residual, no norm output and no
-    quantization."""
-    if not isinstance(x, Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be a 2-D [M, H] tensor, got {getattr(x, 'shape', x)!r}")
+    x: [..., H] bf16/fp16 (out, when given, of x's shape). Runs the same kernels with no residual,
+    no norm output and no quantization."""
+    if type(x) is not Tensor or x.dim() != 2:
+        result = allreduce(as_rows("x", x), workspace=workspace, algo=algo,
+                           out=as_rows("out", out, tuple(x.shape[:-1])))
+        return out if out is not None else result.view(x.shape)
     check_rows("x", x, None, x.shape)
     if x.shape[1] % VEC or not MIN_HIDDEN <= x.shape[1] <= MAX_HIDDEN:
-        raise ValueError(f"H must be a multiple of {VEC} in [{MIN_HIDDEN}, {MAX_HIDDEN}], "
-                         f"got {x.shape[1]}")
+        raise ValueError(f"x's last dim H must be a multiple of {VEC} in [{MIN_HIDDEN}, "
+                         f"{MAX_HIDDEN}], got {x.shape[1]}")
     _check_call(workspace, x, algo)
+    check_values(x, None, None, None, None, None)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     else:

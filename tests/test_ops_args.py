@@ -1,0 +1,161 @@
+"""Every op's argument contract, on the CPU and (when present) on a GPU: [..., H] inputs flattened
+without a copy and outputs of x's leading shape; the library's own error for each bad argument;
+value checks (DISTNORM_CHECK=1 / set_value_checks) that catch bad scales and non-finite inputs."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import distnorm
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+SCALARS = {"scale": 0.05, "global_scale": 200.0}
+
+
+def _inputs(shape, device, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype).to(device)
+    res = torch.randn(*shape, generator=g).to(dtype).to(device)
+    w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype).to(device)
+    return x, res, w
+
+
+def _kwargs(quant, opts, device):
+    from distnorm.formats import FORMATS
+    scalar = FORMATS[quant or "none"].scalar
+    extra = {scalar: torch.tensor([SCALARS[scalar]], device=device)} if scalar else {}
+    return dict(quant=quant, **opts, **extra)
+
+
+def _bytes(t):
+    return None if t is None else t.contiguous().view(torch.uint8)
+
+
+@pytest.fixture
+def value_checks():
+    previous = distnorm.set_value_checks(True)
+    yield
+    distnorm.set_value_checks(previous)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name, quant, opts", [v for v in __import__("distnorm.formats", fromlist=["x"])
+                                               .format_variants() if "ue8m0" not in v[0]])
+@pytest.mark.parametrize("shape", [(2, 3, 512), (512,), (1, 1, 2, 512)])
+def test_nd_inputs_match_their_rows(device, name, quant, opts, shape):
+    """x [..., H] gives bitwise the outputs of x.view(-1, H), with x's leading shape (scales: the
+    format's shape for the flattened M)."""
+    x, res, w = _inputs(shape, device, seed=len(shape))
+    kw = _kwargs(quant, opts, device)
+    nd = distnorm.add_rmsnorm(x, res, w, 1e-6, norm_out=True, **kw)
+    rows = distnorm.add_rmsnorm(x.view(-1, 512), res.view(-1, 512), w, 1e-6, norm_out=True, **kw)
+    lead = tuple(shape[:-1])
+    for a, b in ((nd.residual, rows.residual), (nd.y, rows.y), (nd.q, rows.q)):
+        if b is None:
+            assert a is None
+            continue
+        assert a.shape[:-1] == lead and a.shape[-1] == b.shape[-1]
+        assert torch.equal(_bytes(a).reshape(_bytes(b).shape), _bytes(b))
+    if rows.scales is not None:
+        assert nd.scales.shape == rows.scales.shape and torch.equal(_bytes(nd.scales), _bytes(rows.scales))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nd_outputs_passed_in_are_written_and_returned(device):
+    x, res, w = _inputs((2, 4, 1024), device, seed=7)
+    ref = distnorm.add_rmsnorm(x, res, w, quant="fp8_per_token", norm_out=True)
+    res_out, y_out = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    q_out = torch.full((2, 4, 1024), 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    out = distnorm.add_rmsnorm(x, res, w, quant="fp8_per_token", norm_out=True, residual_out=res_out,
+                               y_out=y_out, q_out=q_out)
+    assert out.residual is res_out and out.y is y_out and out.q is q_out
+    assert torch.equal(res_out, ref.residual) and torch.equal(y_out, ref.y)
+    assert torch.equal(_bytes(q_out), _bytes(ref.q))
+    with pytest.raises(ValueError, match="residual_out must have leading shape"):
+        distnorm.add_rmsnorm(x, res, w, residual_out=torch.empty(8, 1024, dtype=x.dtype, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_shape_and_stride_errors_are_ours(device):
+    x, res, w = _inputs((6, 1024), device)
+    with pytest.raises(ValueError, match="x must be contiguous in its last dim"):
+        distnorm.add_rmsnorm(x[:, ::2], None, w[:512])
+    with pytest.raises(ValueError, match="residual must be contiguous in its last dim"):
+        distnorm.add_rmsnorm(x[:, :512], res[:, ::2], w[:512])
+    with pytest.raises(ValueError, match="weight must be contiguous"):
+        distnorm.add_rmsnorm(x[:, :512], None, w.repeat_interleave(2)[::2][:512])
+    xt = x.view(2, 3, 1024).transpose(0, 1)  # leading dims that cannot merge without a copy
+    with pytest.raises(ValueError, match=r"x of shape \(3, 2, 1024\).*without a copy"):
+        distnorm.add_rmsnorm(xt, None, w)
+    misaligned = x.view(-1)[8:8 + 5 * 1024].view(5, 1024)  # rows start 16 bytes + 0: aligned
+    distnorm.add_rmsnorm(misaligned, None, w)
+    misaligned = x.view(-1)[4:4 + 5 * 1024].view(5, 1024)  # 8-byte offset
+    with pytest.raises(ValueError, match="x rows must start at 16-byte aligned"):
+        distnorm.add_rmsnorm(misaligned, None, w)
+    y_out = torch.empty(6, 2048, dtype=x.dtype, device=device)[:, ::2]
+    with pytest.raises(ValueError, match="y_out must be contiguous in its last dim"):
+        distnorm.add_rmsnorm(x, None, w, y_out=y_out)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        distnorm.add_rmsnorm([1.0] * 1024, None, w)
+
+
+@pytest.mark.parametrize("eps", [float("inf"), float("nan"), -1e-6, True, "1e-6", None])
+def test_bad_eps(eps):
+    x, res, w = _inputs((3, 512), "cpu")
+    with pytest.raises(ValueError, match="eps must be a finite float >= 0"):
+        distnorm.add_rmsnorm(x, res, w, eps)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("quant, name, value", [
+    ("fp8", "scale", 0.0), ("fp8", "scale", -0.5), ("fp8", "scale", float("inf")),
+    ("fp8", "scale", float("nan")), ("nvfp4", "global_scale", 0.0),
+    ("nvfp4", "global_scale", float("inf")), ("nvfp4", "global_scale", -3.0)])
+def test_value_checks_catch_bad_scales(value_checks, device, quant, name, value):
+    x, res, w = _inputs((3, 512), device)
+    with pytest.raises(ValueError, match=f"{name} must be finite and > 0"):
+        distnorm.add_rmsnorm(x, res, w, quant=quant, **{name: torch.tensor([value], device=device)})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("which", ["x", "residual", "weight"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_value_checks_catch_non_finite_inputs(value_checks, device, which, bad):
+    t = dict(zip(("x", "residual", "weight"), _inputs((3, 512), device)))
+    t[which] = t[which].clone()
+    t[which].view(-1)[5] = bad
+    with pytest.raises(ValueError, match=f"{which} holds 1 non-finite"):
+        distnorm.add_rmsnorm(t["x"], t["residual"], t["weight"])
+
+
+def test_value_checks_are_off_by_default_and_switchable():
+    x, res, w = _inputs((3, 512), "cpu")
+    zero = torch.tensor([0.0])
+    previous = distnorm.set_value_checks(False)
+    try:
+        distnorm.add_rmsnorm(x, res, w, quant="fp8", scale=zero)  # not read: no host sync by default
+        assert distnorm.set_value_checks(True) is False
+        with pytest.raises(ValueError, match="scale must be finite and > 0"):
+            distnorm.add_rmsnorm(x, res, w, quant="fp8", scale=zero)
+        with pytest.raises(TypeError, match="enabled must be a bool"):
+            distnorm.set_value_checks(1)
+    finally:
+        distnorm.set_value_checks(previous)
+
+
+def test_distnorm_check_env_turns_value_checks_on():
+    code = ("import torch, distnorm\n"
+            "x = torch.randn(2, 256).bfloat16(); w = torch.ones(256).bfloat16()\n"
+            "try:\n"
+            "    distnorm.add_rmsnorm(x, None, w, quant='fp8', scale=torch.tensor([-1.0]))\n"
+            "except ValueError as e:\n"
+            "    print('raised:', e)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, DISTNORM_CHECK="1", PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert "raised: scale must be finite and > 0" in out.stdout, out.stderr[-2000:]

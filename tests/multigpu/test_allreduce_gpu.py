@@ -398,6 +398,38 @@ def _body_dependent_chain() -> None:
         ws.barrier()
 
 
+def _body_nd_inputs() -> None:
+    """[batch, seq, H] inputs: outputs bitwise those of the [M, H] rows, with x's leading shape
+    (every algorithm, plain and fused; per-token scales for the flattened M)."""
+    from distnorm.collectives import allreduce, allreduce_add_rmsnorm
+    from distnorm.comm import Workspace
+
+    boot = _boot()
+    B, S, H = 2, 5, 4096
+    with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
+        x, res, w = _inputs(B * S, H, ws.rank, 777)
+        x3, res3 = x.view(B, S, H), res.view(B, S, H)
+
+        def check():
+            for algo in ALGOS:
+                nd = allreduce_add_rmsnorm(x3, res3, w, 1e-6, workspace=ws, algo=algo,
+                                           quant="fp8_per_token", norm_out=True, allreduce_out=True)
+                rows = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, algo=algo,
+                                             quant="fp8_per_token", norm_out=True, allreduce_out=True)
+                s3 = allreduce(x3, workspace=ws, algo=algo)
+                s = allreduce(x, workspace=ws, algo=algo)
+                torch.cuda.synchronize()
+                for name in ("residual", "y", "q", "allreduce"):
+                    a, b = getattr(nd, name), getattr(rows, name)
+                    assert a.shape == (B, S, H), f"{algo} {name}: shape {tuple(a.shape)}"
+                    assert torch.equal(a.reshape(b.shape).view(torch.uint8), b.view(torch.uint8)), \
+                        f"{algo} {name} differs from the rows'"
+                assert nd.scales.shape == (B * S, 1) and torch.equal(nd.scales, rows.scales)
+                assert s3.shape == (B, S, H) and torch.equal(s3.view(-1, H), s)
+        _gathered_check(boot, check)
+        ws.barrier()
+
+
 # --- tests ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("algo", ALGOS)
 def test_allreduce_add_rmsnorm_grid(algo):
@@ -427,3 +459,7 @@ def test_lamport_changing_hidden():
 
 def test_dependent_chain_pdl():
     run_distributed(_body_dependent_chain, timeout_s=TIMEOUT_S)
+
+
+def test_nd_inputs():
+    run_distributed(_body_nd_inputs, timeout_s=TIMEOUT_S)

@@ -159,3 +159,16 @@ def test_distnorm_check_env_turns_value_checks_on():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert "raised: scale must be finite and > 0" in out.stdout, out.stderr[-2000:]
+
+
+def test_readme_use_snippet_runs_as_written():
+    """The README's single-GPU Use snippet runs as written (here on the CPU, on a GPU in GPU runs)."""
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        code = re.search(r"## Use\n\n```python\n(.*?)```", f.read(), re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    out = scope["out"]
+    assert out.residual.shape == (4, 16, 4096) and out.q.shape == (4, 16, 2048)
+    assert out.scales.shape == (128, 256)

@@ -1,72 +1,124 @@
-"""`python -m distnorm` (or `distnorm`): check every fused op on the visible GPU against the reference
-and print a timing table. Without a GPU it runs the reference path on the CPU and says so."""
+"""`python -m distnorm` (or `distnorm`): check every format variant of the fused ops against
+distnorm.reference and time them.
+
+- One GPU: distnorm.add_rmsnorm, checked and timed (CUDA graph + events, median).
+- Two or more GPUs: also the fused all-reduce distnorm.allreduce_add_rmsnorm, one process per GPU
+  (self-spawned; under torchrun / mpirun on the launched ranks), checked against the reference and
+  timed against NCCL all_reduce + add_rmsnorm.
+- No GPU: the reference path on the CPU (the kernels are not exercised), no timing.
+Exit code 0 when every check passes, 1 when one fails, 2 for bad arguments.
+"""
 from __future__ import annotations
 
 import argparse
-import time
+from typing import Optional, Sequence
 
-import torch
+from distnorm.demo.cases import DTYPES, DemoConfig, blocks_text, select_cases, split_by_hidden
+from distnorm.formats import MAX_HIDDEN, MIN_HIDDEN, VEC
 
-def _time_us(fn, device) -> float:
-    if device == "cpu":
-        fn()
-        t = time.perf_counter()
-        for _ in range(5):
-            fn()
-        return (time.perf_counter() - t) / 5 * 1e6
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / 100
+PROG = "distnorm"
 
 
-def main(argv=None) -> int:
-    import distnorm
-    from distnorm.formats import FORMATS, format_variants
-    from distnorm.reference import add_rmsnorm_ref
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """Bad arguments: one line on stderr and exit code 2 (argparse's default also prints usage)."""
 
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("-m", "--tokens", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=4096)
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after each option; description and epilog printed as written."""
+
+
+def _variants_epilog() -> str:
+    lines = ["format variants (--variants; from distnorm.formats.format_variants):"]
+    lines += [f"  {c.name:26s} H a multiple of {c.hidden_multiple}" for c in select_cases()]
+    lines.append(f"H must be in [{MIN_HIDDEN}, {MAX_HIDDEN}]; variants whose block does not divide "
+                 "H are skipped with a note.")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _OneLineErrorParser(prog=PROG, description=__doc__, epilog=_variants_epilog(),
+                             formatter_class=_HelpFormatter)
+    ap.add_argument("-m", "--tokens", type=int, default=128, help="rows M (tokens); 0 is allowed")
+    ap.add_argument("--hidden", type=int, default=4096, help="hidden size H")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype")
+    ap.add_argument("--variants", nargs="+", metavar="NAME", default=["all"],
+                    help="run only these variants, space or comma separated")
+    ap.add_argument("--iters", type=int, default=20,
+                    help="timed CUDA-graph replays per measurement (the median is shown)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    ap.add_argument("--no-multigpu", action="store_true",
+                    help="skip the fused all-reduce even with >= 2 GPUs")
+    return ap
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> tuple:
+    """(DemoConfig, cases that fit H, notes about skipped variants, args). Bad arguments end in
+    the parser's one-line error (SystemExit(2))."""
+    ap = build_parser()
     args = ap.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        print("no CUDA GPU visible: running the reference path on the CPU (kernels are not exercised)")
-    else:
-        print(f"GPU: {torch.cuda.get_device_name()}")
-    M, H = args.tokens, args.hidden
-    torch.manual_seed(0)
-    x = torch.randn(M, H, device=device).to(torch.bfloat16)
-    res = torch.randn(M, H, device=device).to(torch.bfloat16)
-    w = (torch.rand(H, device=device) + 0.5).to(torch.bfloat16)
-    scalars = {"scale": torch.tensor([0.05], device=device),       # the float32 [1] argument a
-               "global_scale": torch.tensor([200.0], device=device)}  # format takes (FORMATS.scalar)
-    print(f"{'variant':28s} {'check':>6s} {'match %':>8s} {'us':>8s}   (M={M}, H={H}, bf16)")
-    failures = 0
-    for name, quant, opts in format_variants():
-        scalar = FORMATS[quant or "none"].scalar
-        kw = dict(quant=quant, **opts, **({scalar: scalars[scalar]} if scalar else {}))
-        out = distnorm.add_rmsnorm(x, res, w, 1e-6, **kw)
-        ref = add_rmsnorm_ref(x, res, w, 1e-6, **kw)
-        ok = torch.equal(out.residual, ref.residual)
-        if quant is None:
-            match = (out.y == ref.y).float().mean().item()
+    if args.tokens < 0:
+        ap.error(f"-m/--tokens must be >= 0, got {args.tokens}")
+    if not MIN_HIDDEN <= args.hidden <= MAX_HIDDEN or args.hidden % VEC:
+        ap.error(f"--hidden must be a multiple of {VEC} in [{MIN_HIDDEN}, {MAX_HIDDEN}], "
+                 f"got {args.hidden}")
+    if args.iters < 1:
+        ap.error(f"--iters must be >= 1, got {args.iters}")
+    names = tuple(n for item in args.variants for n in item.split(",") if n and n != "all")
+    try:
+        cases = select_cases(names)
+    except ValueError as e:
+        ap.error(f"--variants: {e}")
+    fit, skipped = split_by_hidden(cases, args.hidden)
+    if not fit:
+        ap.error(f"--hidden {args.hidden} is not a multiple of the block of any chosen variant: "
+                 f"{blocks_text(skipped)}")
+    cfg = DemoConfig(args.tokens, args.hidden, args.dtype, args.iters, args.seed)
+    notes = [f"skipped, H={args.hidden} is not a multiple of their block: {blocks_text(skipped)}"
+             ] if skipped else []
+    return cfg, fit, notes, args
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the main job; returns the exit code (0 all checks pass, 1 a check failed, 2 bad args)."""
+    try:
+        cfg, cases, notes, args = parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad argument (2): argparse already printed why
+        return int(e.code or 0)
+    from distnorm.demo.multigpu import run_multigpu
+    from distnorm.demo.single import run_single
+    from distnorm.launch import detect_launch_env
+
+    env, gpus = detect_launch_env(), _gpu_count()
+    launched = env.is_multiprocess and env.world_size > 1  # torchrun / mpirun started the ranks
+    if launched:
+        if gpus >= env.local_world_size and not args.no_multigpu:
+            return 1 if run_multigpu(cfg, cases, env.world_size) else 0
+        if env.rank != 0:
+            return 0
+        why = "--no-multigpu" if args.no_multigpu else f"needs a GPU per rank, torch sees {gpus}"
+        print(f"{env.launcher} started {env.world_size} ranks but the fused all-reduce is not run "
+              f"({why}): rank 0 runs the single-device check", flush=True)
+    for note in notes:
+        print(note, flush=True)
+    rows = run_single(cfg, cases, "cuda" if gpus else "cpu")
+    failures = sum(not r.ok for r in rows)
+    if gpus and not args.no_multigpu and not launched:
+        if gpus >= 2 and not env.is_multiprocess:
+            failures += run_multigpu(cfg, cases, gpus)
         else:
-            match = (out.q.view(torch.uint8) == ref.q.view(torch.uint8)).float().mean().item()
-        ok = ok and match >= 0.999
-        failures += not ok
-        us = _time_us(lambda: distnorm.add_rmsnorm(x, res, w, 1e-6, **kw), device)
-        print(f"{name:28s} {'ok' if ok else 'FAIL':>6s} {100 * match:8.3f} {us:8.2f}")
-    print("all ops match the reference" if not failures else f"{failures} op(s) differ from the reference")
+            why = (f"{env.launcher} started 1 rank" if env.is_multiprocess
+                   else "torch sees 1 GPU")
+            print(f"\nfused all-reduce not run: it needs >= 2 ranks, one per GPU ({why})",
+                  flush=True)
     return 1 if failures else 0
 
 

@@ -6,8 +6,9 @@ on each rank under torchrun / mpirun, else in one self-spawned process per visib
 
 Under a launcher with N > 1 ranks (tests/sharding.py): every rank uses its own GPU (local rank),
 the multi-GPU tests run first on every rank, and the other tests are split over the ranks
-(DISTNORM_SHARD=0: every rank runs all of them). At the end every rank leaves torch.distributed
-together (distnorm.launch.shutdown).
+(DISTNORM_SHARD=0: every rank runs all of them) and see the environment of a plain process (no
+launcher variables). At the end every rank leaves torch.distributed together
+(distnorm.launch.shutdown).
 """
 import os
 import sys
@@ -20,7 +21,8 @@ for _path in (_TESTS, _ROOT):  # tests/: helper modules (barrier_kernel, harness
 
 import pytest  # noqa: E402
 
-from distnorm.launch.env import apply_no_multicast_env, detect_launch_env  # noqa: E402
+from distnorm.launch.env import (apply_no_multicast_env, detect_launch_env,  # noqa: E402
+                                 without_launcher_vars)
 from sharding import ShardPlan, plan_shard, sharding_enabled  # noqa: E402
 
 apply_no_multicast_env()
@@ -38,6 +40,17 @@ def pytest_configure(config: pytest.Config) -> None:
         from distnorm.launch import local_device_index
 
         torch.cuda.set_device(local_device_index(env))
+
+
+@pytest.fixture(autouse=True)
+def _per_process_tests_run_as_plain_processes(request: pytest.FixtureRequest,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a launcher, a test that is not collective sees no launcher variables: it runs on one
+    rank of the split, so it must not behave as a rank of the job (e.g. code that asks
+    detect_launch_env() whether to run collectively). The process's device stays selected."""
+    if request.node.get_closest_marker("multigpu") is None and detect_launch_env().is_multiprocess:
+        for key in set(os.environ) - set(without_launcher_vars(os.environ)):
+            monkeypatch.delenv(key)
 
 
 def _shard_key(item: pytest.Item):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from distnorm.launch import without_launcher_vars
+from distnorm.launch import LaunchEnv, detect_launch_env, without_launcher_vars
 from sharding import group_owners, plan_shard, sharding_enabled
 from test_single_gpu import (EDGE_HIDDEN, EDGE_TOKENS, MIDDLE_HIDDEN, TOKENS, VARIANTS,
                              fused_norm_cases, grid_level)
@@ -143,3 +143,19 @@ def test_a_rank_with_an_empty_share_passes():
     assert "rank 1 of 2 ran 0 of 1 per-process tests" in proc.stdout
     proc = _collect_as(0, 2, test)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_per_process_tests_see_no_launcher_variables():
+    """Under a launcher (see the next test), a per-process test sees a plain process."""
+    assert detect_launch_env() == LaunchEnv(0, 0, 1, 1, "single")
+    assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
+
+
+def test_launcher_variables_are_hidden_from_per_process_tests_only():
+    inner = "tests/test_suite_setup.py::test_per_process_tests_see_no_launcher_variables"
+    proc = _collect_as(1, 2, inner, shard="0")
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
+    # a multi-GPU test still sees the job (here it skips for want of GPUs, saying so)
+    proc = _collect_as(1, 2, "tests/multigpu/test_barrier_gpu.py", "-rs")
+    assert proc.returncode == 0 and "torchrun started 2 ranks on this node" in proc.stdout, \
+        proc.stdout[-2000:]

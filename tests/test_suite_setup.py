@@ -105,6 +105,9 @@ def _collect_as(rank: int, world: int, *args: str, shard: str | None = None):
                 "LOCAL_WORLD_SIZE": str(world)})
     env.pop("DISTNORM_QUICK", None)
     env.pop("DISTNORM_FULL", None)
+    # a faked job has no rendezvous: keep its GPUs hidden, so a multi-GPU test skips for want of
+    # GPUs (on a GPU machine it would try to join the faked job and fail)
+    env["CUDA_VISIBLE_DEVICES"] = ""
     if shard is not None:
         env["DISTNORM_SHARD"] = shard
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],

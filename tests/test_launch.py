@@ -250,3 +250,52 @@ def _body_shutdown_timeout() -> None:
 
 def test_shutdown_times_out_with_the_count():
     spawn(_body_shutdown_timeout, 2, timeout_s=60, cpu_only=True)
+
+
+# --- persistent rank pool (run_distributed under plain pytest) --------------------------------
+def _pool_body_sum(expected: int, pid_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([dist.get_rank() + 1])
+    dist.all_reduce(t)
+    assert int(t) == expected, f"sum {int(t)} != {expected}"
+    with open(os.path.join(pid_dir, f"rank{dist.get_rank()}"), "a") as f:
+        f.write(f"{os.getpid()}\n")
+
+
+def _pool_body_rank1_fails() -> None:
+    import torch.distributed as dist
+
+    assert dist.get_rank() != 1, "rank 1 says no"
+
+
+def _pool_body_sleeps() -> None:
+    time.sleep(30)
+
+
+def test_rank_pool_reuses_its_ranks_and_dies_on_failure(tmp_path):
+    from distnorm.launch.pool import RankPool
+
+    pool = RankPool(2, cpu_only=True)
+    try:
+        for _ in range(3):
+            pool.run(_pool_body_sum, 3, str(tmp_path), timeout_s=60)
+        for rank in range(2):  # the same process ran every call
+            pids = (tmp_path / f"rank{rank}").read_text().split()
+            assert len(pids) == 3 and len(set(pids)) == 1
+        with pytest.raises(AssertionError, match="rank 1 of 2 failed: AssertionError: rank 1 says no"):
+            pool.run(_pool_body_rank1_fails, timeout_s=60)
+        assert not pool.alive  # killed: a failed rank may leave a collective half done
+        with pytest.raises(RuntimeError, match="closed"):
+            pool.run(_pool_body_sum, 3, str(tmp_path))
+    finally:
+        pool.close()
+    pool = RankPool(2, cpu_only=True)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not finish within 2 s"):
+            pool.run(_pool_body_sleeps, timeout_s=2)
+        assert time.monotonic() - t0 < 20 and not pool.alive
+    finally:
+        pool.close()

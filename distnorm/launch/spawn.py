@@ -202,11 +202,14 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 30
 
 
 def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int | None = None,
-                    timeout_s: float = 300.0, backend: str | None = None) -> None:
-    """Run ``fn(*args)`` on every rank: directly under torchrun/mpirun, else through spawn().
+                    timeout_s: float = 300.0, backend: str | None = None,
+                    reuse: bool = True) -> None:
+    """Run ``fn(*args)`` on every rank: directly under torchrun/mpirun, else on self-started ranks.
 
     Under a launcher the job's world is used as is (``nprocs`` is ignored) and torch.distributed
-    stays initialized for the next call; otherwise ``nprocs`` defaults to the visible GPU count.
+    stays initialized for the next call; otherwise ``nprocs`` defaults to the visible GPU count and
+    the ranks are this process's persistent pool (launch/pool.py: started once, so later calls skip
+    the start-up and compiles), or fresh processes per call with ``reuse=False`` (spawn()).
     """
     if in_multiprocess_launch():
         from distnorm.launch.dist import init_distributed
@@ -216,4 +219,9 @@ def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int | None = Non
         return
     if nprocs is None:
         nprocs = launch_world_size()
-    spawn(fn, nprocs, *args, timeout_s=timeout_s, backend=backend)
+    if not reuse:
+        spawn(fn, nprocs, *args, timeout_s=timeout_s, backend=backend)
+        return
+    from distnorm.launch.pool import shared_pool
+
+    shared_pool(nprocs, backend).run(fn, *args, timeout_s=timeout_s)

@@ -1,5 +1,5 @@
 """Peers to benchmark against, in the same process as distnorm: FlashInfer's fused all-reduce
-(trtllm_allreduce_fusion, the incumbent; ../shared/peers/README.md), PyTorch symmetric memory, NCCL.
+(trtllm_allreduce_fusion from flashinfer-python 0.7, the incumbent), PyTorch symmetric memory, NCCL.
 
 FlashInfer 0.7 probes for `cutlass` at import and then wants CuTe DSL >= 4.6, while the GPU machine
 carries 4.3.5: import it first with the CuTe DSL's directory hidden from sys.path. Measuring stick only.

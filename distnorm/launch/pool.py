@@ -18,19 +18,13 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from distnorm.launch.spawn import _child_environ, failure_kind, raise_rank_failure
+
 __all__ = ["RankPool", "shared_pool", "close_shared_pool"]
-
-
-def _failure_kind(e: BaseException) -> str:
-    if type(e).__module__.startswith("_pytest") and type(e).__name__ == "Skipped":
-        return "skip"
-    return "assert" if isinstance(e, AssertionError) else "error"
 
 
 def _worker(rank: int, nprocs: int, port: int, backend: str | None, timeout_s: float,
             cpu_only: bool, tasks: Any, results: Any) -> None:
-    from distnorm.launch.spawn import _child_environ
-
     environ = _child_environ(rank, nprocs, port, {})
     os.environ.clear()
     os.environ.update(environ)
@@ -52,7 +46,7 @@ def _worker(rank: int, nprocs: int, port: int, backend: str | None, timeout_s: f
             fn(*args)
             results.put(("ok", rank, "", ""))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
-            results.put((_failure_kind(e), rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+            results.put((failure_kind(e), rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
     cleanup()
@@ -121,10 +115,8 @@ class RankPool:
         kinds = {kind for kind, _, _ in reports.values()}
         if len(reports) == self.nprocs and kinds <= {"ok", "skip"}:
             if "skip" in kinds:
-                import pytest
-
                 rank = min(r for r, (k, _, _) in reports.items() if k == "skip")
-                pytest.skip(f"rank {rank}: {reports[rank][1]}")
+                raise_rank_failure("skip", rank, self.nprocs, reports[rank][1], "", [])
             return
         self.close()  # a failed or missing rank may have left a collective half done
         failed = sorted(r for r, (k, _, _) in reports.items() if k not in ("ok", "skip"))
@@ -135,12 +127,8 @@ class RankPool:
                                "killed the pool")
         rank = failed[0]
         kind, summary, tb = reports[rank]
-        message = f"rank {rank} of {self.nprocs} failed: {summary}\n--- child traceback ---\n{tb}"
-        others = [f"rank {r}: {reports[r][1]}" for r in failed[1:]]
-        if others:
-            message += "\n--- other ranks failed too (possibly as a consequence) ---\n"
-            message += "\n".join(others)
-        raise (AssertionError if kind == "assert" else RuntimeError)(message)
+        raise_rank_failure(kind, rank, self.nprocs, summary, tb,
+                           [f"rank {r}: {reports[r][1]}" for r in failed[1:]])
 
     def close(self) -> None:
         """Stop the ranks (politely, then by force). Idempotent."""

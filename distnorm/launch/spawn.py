@@ -43,6 +43,28 @@ def launch_world_size() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def failure_kind(e: BaseException) -> str:
+    """How a rank's exception reaches the parent: "skip" (pytest.skip), "assert", or "error"."""
+    if type(e).__module__.startswith("_pytest") and type(e).__name__ == "Skipped":
+        return "skip"
+    return "assert" if isinstance(e, AssertionError) else "error"
+
+
+def raise_rank_failure(kind: str, rank: int, nprocs: int, summary: str, tb: str,
+                       others: list[str]) -> None:
+    """Raise in the parent what rank ``rank`` raised: pytest's skip, AssertionError (a failed check)
+    or RuntimeError, with its traceback and the other ranks' failures."""
+    if kind == "skip":
+        import pytest
+
+        pytest.skip(f"rank {rank}: {summary}")
+    message = f"rank {rank} of {nprocs} failed: {summary}\n--- child traceback ---\n{tb}"
+    if others:
+        message += "\n--- other ranks failed too (possibly as a consequence) ---\n"
+        message += "\n".join(others)
+    raise (AssertionError if kind == "assert" else RuntimeError)(message)
+
+
 def _child_environ(rank: int, nprocs: int, port: int,
                    extra_env: Mapping[str, str]) -> dict[str, str]:
     """The environment of child ``rank``: the parent's without its launcher's variables (the child
@@ -71,12 +93,7 @@ def _child(fn: Callable[..., Any], args: tuple, rank: int, nprocs: int, port: in
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
         # Report before tearing anything down: closing connections first would make the other
         # ranks fail too, and their (secondary) errors could reach the parent first.
-        kind = "error"
-        if type(e).__module__.startswith("_pytest") and type(e).__name__ == "Skipped":
-            kind = "skip"
-        elif isinstance(e, AssertionError):
-            kind = "assert"
-        results.put((kind, rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        results.put((failure_kind(e), rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         results.close()
@@ -170,18 +187,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 30
             if kind == "ok":
                 done.add(rank)
                 continue
-            message = f"rank {rank} of {nprocs} failed: {summary}\n--- child traceback ---\n{tb}"
-            others = _other_failures(results, procs, done | {rank}, deadline)
-            if others:
-                message += "\n--- other ranks failed too (possibly as a consequence) ---\n"
-                message += "\n".join(others)
-            if kind == "skip":
-                import pytest
-
-                pytest.skip(f"rank {rank}: {summary}")
-            if kind == "assert":
-                raise AssertionError(message)
-            raise RuntimeError(message)
+            raise_rank_failure(kind, rank, nprocs, summary, tb,
+                               _other_failures(results, procs, done | {rank}, deadline))
         ok = True
     finally:
         hung: list[int] = []

@@ -43,20 +43,23 @@ def _codes(q: Tensor, spec: QuantSpec) -> Tensor:
     return unpack_fp4(q.view(torch.uint8)) if spec.packed_fp4 else q.view(torch.uint8)
 
 
-def _y_problem(y: Tensor, y_ref: Tensor) -> str:
+def y_problem(y: Tensor, y_ref: Tensor) -> str:
+    """Why y = T(y) is not within 1 ulp of T of the reference ("" when it is)."""
     if torch.isnan(y).any():
-        return "y has NaN"
+        return "y has NaN (unwritten or wrong)"
     diff = (y.float() - y_ref.float()).abs()
     ulp = torch.finfo(y.dtype).eps * y_ref.float().abs().clamp_min(torch.finfo(y.dtype).tiny)
-    bad = int((diff > ulp * 1.0001).sum())
-    return f"y differs by more than 1 ulp at {bad} elements" if bad else ""
+    bad = int((diff > ulp * 1.0001 + 1e-30).sum())
+    return (f"y differs by more than 1 ulp at {bad} elements, max diff {diff.max().item()}"
+            if bad else "")
 
 
-def _scales_problem(s: Tensor, s_ref: Tensor, spec: QuantSpec) -> str:
+def scales_problem(s: Tensor, s_ref: Tensor, spec: QuantSpec) -> str:
+    """Why the scales break their bound (module docstring; "" when they hold)."""
     if spec.float_scales:
         a, b = s.float(), s_ref.float()
         if torch.isnan(a).any():
-            return "scales have NaN"
+            return "scales have NaN (unwritten?)"
         if not spec.scale_ue8m0:  # amax inherits y's few-ulp freedom: no exact-match bound
             far = int(((a - b).abs() > 4 * torch.finfo(torch.float32).eps * b.abs()).sum())
             return f"{far} float32 scales differ by more than 4 ulps" if far else ""
@@ -91,11 +94,11 @@ def compare(out: NormQuantOutput, ref: NormQuantOutput, spec: Optional[QuantSpec
         return CheckResult(False, 0.0, "residual differs from the reference (must be bitwise)")
     if spec is None:
         match = _equal_fraction(_bits(out.y) == _bits(ref.y))
-        problem = _y_problem(out.y, ref.y)
+        problem = y_problem(out.y, ref.y)
     else:
         match = _equal_fraction(_codes(out.q, spec) == _codes(ref.q, spec))
         if match is not None and match < MATCH_FRACTION:
             problem = f"only {match:.5f} of quantized codes equal the reference"
         elif spec.kind != "fp8":  # static fp8 returns the caller's scale tensor
-            problem = _scales_problem(out.scales, ref.scales, spec)
+            problem = scales_problem(out.scales, ref.scales, spec)
     return CheckResult(not problem, match, problem)

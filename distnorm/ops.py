@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows_aligned,
                    copy_outputs, kernel_views, returned_scales)
+from .kernels.tiling import cluster_sizes
 from .formats import NormQuantOutput, QuantSpec, kernel_spec, make_quant_spec, spec_code
 from .rows import call_on_rows
 
@@ -21,17 +22,16 @@ from .rows import call_on_rows
 # ---- kernel dispatch ----------------------------------------------------------------------------
 
 def cluster_for(H: int, M: int) -> int:
-    """Thread-block cluster size (CTAs sharing one row through distributed shared memory).
+    """Thread-block cluster size (CTAs sharing one row's threads through distributed shared memory).
 
     Few rows (M <= 64): one CTA per 4096 elements of a row, up to the portable 8, so a decode step's
-    row is spread over several SMs and each thread's serial chain stays at ~4 vectors. Many rows:
-    no cluster, except H = 32768, where one CTA per row would need 1024 threads (capped at 64
-    registers, which spills) or 8 vectors per thread; 2 CTAs of 512 threads hold it in registers.
-    Chosen from benchmarks/results/single_gpu_h200.md (M in 1..65536, H200).
+    row is spread over several SMs. Many rows: no cluster, except H >= 32768, where 2 CTAs share
+    the row's 512 threads. Chosen from benchmarks/results/single_gpu_h200.md (M in 1..65536, H200);
+    rounded down to a size that splits the row's threads into whole warps. The size never changes
+    a row's bits (NOTE [batch invariance] in kernels/norm_quant.py).
     """
-    if M <= 64:
-        return max(1, min(8, H // 4096))
-    return 2 if H >= 32768 else 1
+    want = max(1, min(8, H // 4096)) if M <= 64 else (2 if H >= 32768 else 1)
+    return max(n for n in cluster_sizes(H) if n <= want)
 
 
 def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,

@@ -20,6 +20,7 @@ import torch
 import distnorm
 from distnorm import formats
 from distnorm.reference import add_rmsnorm_ref
+from invariance import BATCHES, assert_same_bytes, embed, row_bytes
 from quant_check import assert_quant_close, assert_y_close, poison_like
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -123,6 +124,30 @@ def test_fused_norm(variant, dtype, H, M):
     if H % formats.hidden_multiple(spec):
         pytest.skip(f"H={H} is not a multiple of {variant}'s block")
     run_and_check(variant, DTYPES[dtype], M, H)
+
+
+@pytest.mark.parametrize("H", [4096, 8192, 16384, 32768])
+def test_batch_invariance(H):
+    """A row's outputs are bitwise the same in batches of M = 1, 7, 128, 4099 (the cluster size
+    changes with M and H: 1 to 8 CTAs per row), every format."""
+    g = torch.Generator(device="cuda").manual_seed(H)
+    x, res, w = make_inputs(1, H, torch.bfloat16, H)
+    for variant, (quant, opts) in VARIANTS.items():
+        spec = formats.make_quant_spec(quant, **{k: v for k, v in opts.items() if k != "gemma"})
+        kw = dict(quant=quant, norm_out=True, **opts)
+        if quant == "fp8":
+            kw["scale"] = torch.tensor([0.05], device="cuda")
+        if quant == "nvfp4":
+            kw["global_scale"] = torch.tensor([448 * 6 / 12.0], device="cuda")
+        first = None
+        for M, pos in BATCHES:
+            out = distnorm.add_rmsnorm(embed(x[0], M, pos, g), embed(res[0], M, pos, g), w, 1e-6,
+                                       **kw)
+            got = row_bytes(out, spec, M, H, pos)
+            if first is None:
+                first = got
+            else:
+                assert_same_bytes(got, first, f"{variant} H={H}: M={M} vs M=1")
 
 
 @pytest.mark.parametrize("variant", ["none", "fp8_per_token", "nvfp4_swizzled"])

@@ -65,7 +65,8 @@ from distnorm.collectives.layout import (DEVICE_ERROR_WORD, LAMPORT_SENTINEL_I32
 from distnorm.collectives.plan import ALGORITHMS
 from distnorm.formats import VEC, QuantSpec
 from distnorm.kernels.lamport import sanitize_word
-from distnorm.kernels.norm_quant import NormQuantCore, RowTiling
+from distnorm.kernels.norm_quant import NormQuantCore
+from distnorm.kernels.tiling import RowTiling
 from distnorm.kernels.sync import (SPIN_CHECK_MASK, atom_add_acq_rel_gpu_u32, cta_barrier,
                                    globaltimer_ns, ld_volatile_sys_u32, ld_volatile_sys_v4_u32,
                                    record_timeout, st_volatile_sys_v4_u32, st_volatile_u32)
@@ -188,7 +189,7 @@ class AllReduceAddRMSNormQuant:
         rR = self.core.zeros(dtype)
         rH = self.core.zeros(Float32)
         static_inv, global_scale = self.core.load_scalars(mScale, mGS)
-        rW = self.core.load_weight(mW, lane, Int32(0))
+        rW = self.core.load_weight(mW, lane)
         return bufs, rT, rR, rH, static_inv, global_scale, rW
 
     @cute.jit
@@ -251,7 +252,7 @@ class AllReduceAddRMSNormQuant:
                 self._sum_slots(rH, rT, base, slot_elems, Int64(row) * hidden,
                                 self._row_addr(mX, row), rank, lane)
                 self._finish_row(rH, rR, mAR, mRout, row, lane, dtype)
-            self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, Int32(0), eps, mW,
+            self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW,
                                mY, mQ, mS, static_inv, global_scale, bufs, rW)
             cute.arch.barrier()  # the next group's reductions reuse the shared-memory partials
         # nobody may overwrite a slot (next call) that a peer still reads
@@ -320,7 +321,7 @@ class AllReduceAddRMSNormQuant:
                         src = rA
                     self.core.store_row(src, cute.zipped_divide(mAR[row, None], (VEC,)), lane, dtype)
             self.core.epilogue(rH, row, row_valid, (i < slice_rows) & (row < rows), lane,
-                               row_in_cta, Int32(0), eps, mW, mY, mQ, mS, static_inv,
+                               row_in_cta, eps, mW, mY, mQ, mS, static_inv,
                                global_scale, bufs, rW)
             cute.arch.barrier()  # shared-memory partials are reused by the next row
         self._barrier(mSig, rank, bidx, timeout, mErr)
@@ -348,7 +349,7 @@ class AllReduceAddRMSNormQuant:
                             self.core.store_row(rT, cute.zipped_divide(mAR[row, None], (VEC,)), lane,
                                             dtype)
                     self.core.epilogue(rH, row, row_valid, (i < slice_rows) & (row < rows), lane,
-                                       row_in_cta, Int32(0), eps, mW, mY, mQ, mS, static_inv,
+                                       row_in_cta, eps, mW, mY, mQ, mS, static_inv,
                                        global_scale, bufs, rW)
                     cute.arch.barrier()  # shared-memory partials are reused by the next row
         self._barrier(mSig, rank, bidx, timeout, mErr)
@@ -435,8 +436,8 @@ class AllReduceAddRMSNormQuant:
                     if Int32(s) != rank:
                         dst = mBuf[kw + Int32(s)] + off
                         for j in cutlass.range_constexpr(nv):
-                            v = lane + j * t.threads_per_row
-                            if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                            v = lane + j * t.row_threads
+                            if const_expr(t.exact) or v < t.vecs:
                                 st_volatile_sys_v4_u32(dst + Int64(v) * Int64(16), rTw[4 * j],
                                                        rTw[4 * j + 1], rTw[4 * j + 2],
                                                        rTw[4 * j + 3])
@@ -496,8 +497,8 @@ class AllReduceAddRMSNormQuant:
                             peer = Int32(0)
                         pend_s = Int32(0)
                         for j in cutlass.range_constexpr(nv):
-                            v = lane + j * t.threads_per_row
-                            if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                            v = lane + j * t.row_threads
+                            if const_expr(t.exact) or v < t.vecs:
                                 a, b, c, d = ld_volatile_sys_v4_u32(src + Int64(v) * Int64(16))
                                 w0 = (s * nv + j) * 4
                                 rAll[w0] = a
@@ -525,7 +526,7 @@ class AllReduceAddRMSNormQuant:
                     part = cute.make_tensor(rAllT.iterator + s * nv * VEC, cute.make_layout(nv * VEC))
                     rH.store(rH.load() + part.load().to(Float32))
                 self._finish_row(rH, rR, mAR, mRout, row, lane, dtype)
-            self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, Int32(0), eps, mW,
+            self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW,
                                mY, mQ, mS, static_inv, global_scale, bufs, rW)
             cute.arch.barrier()  # the next group's reductions reuse the shared-memory partials
         # no closing barrier: the three rotating areas make the next call safe (NOTE above)

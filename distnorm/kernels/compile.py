@@ -22,7 +22,7 @@ from cutlass import Float32
 from distnorm.kernels import compat
 from distnorm.kernels.fused_norm import FusedAddRMSNormQuant
 from distnorm.formats import QuantSpec
-from distnorm.kernels.norm_quant import choose_tiling
+from distnorm.kernels.tiling import choose_tiling
 
 CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 

@@ -26,7 +26,7 @@ from distnorm.kernels.allreduce import AllReduceAddRMSNormQuant
 from distnorm.kernels.compile import CUTE_DTYPES, fake_norm_quant_args, fake_rows
 from distnorm.collectives.plan import ALGORITHMS
 from distnorm.formats import QuantSpec
-from distnorm.kernels.norm_quant import RowTiling, choose_tiling
+from distnorm.kernels.tiling import RowTiling, choose_tiling
 
 
 def allreduce_tiling(hidden: int, quant: QuantSpec, rows_per_cta: int = 0) -> RowTiling:

@@ -1,7 +1,8 @@
 """Single-GPU fused kernel: [residual add] + RMSNorm + [quantization], one pass over HBM.
 
-One CTA (or a cluster of `cluster_n` CTAs splitting the row) handles `rows_per_cta` rows; the epilogue
-is `NormQuantCore.epilogue`, the same code the all-reduce kernels end with.
+One CTA (or a cluster of `cluster_n` CTAs sharing the row's threads) handles `rows_per_cta` rows;
+the epilogue is `NormQuantCore.epilogue`, the same code the all-reduce kernels end with, and the
+cluster size never changes a row's bits (NOTE [batch invariance] in norm_quant.py).
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from distnorm.formats import VEC, QuantSpec  # absolute imports: see compat.py
-from distnorm.kernels.norm_quant import NormQuantCore, RowTiling
+from distnorm.kernels.norm_quant import NormQuantCore
+from distnorm.kernels.tiling import RowTiling
 
 
 class FusedAddRMSNormQuant:
@@ -50,7 +52,7 @@ class FusedAddRMSNormQuant:
             cta_rank = cute.arch.block_idx_in_cluster()
             cute.arch.cluster_arrive_relaxed()  # peers' smem must exist before our DSMEM stores
         row_in_cta = tidx // t.threads_per_row
-        lane = tidx % t.threads_per_row
+        lane = cta_rank * t.threads_per_row + tidx % t.threads_per_row  # among the row's threads
         row = (bidx // t.cluster_n) * t.rows_per_cta + row_in_cta
         m = mX.shape[0]
         row_valid = row < m
@@ -63,23 +65,22 @@ class FusedAddRMSNormQuant:
         if const_expr(t.cluster_n > 1):
             cute.arch.cluster_wait()
 
-        vbase = cta_rank * t.vecs_per_cta_row
         rX = self.core.zeros(mX.element_type)
         rR = self.core.zeros(mX.element_type)
         rH = self.core.zeros(Float32)
         # all loads first: residual_out may alias residual, so no store may precede a load
         if row_valid:
-            self.core.load_row(rX, cute.zipped_divide(mX[row, None], (VEC,)), lane, vbase)
+            self.core.load_row(rX, cute.zipped_divide(mX[row, None], (VEC,)), lane)
             if const_expr(self.has_residual):
-                self.core.load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane, vbase)
+                self.core.load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
         if const_expr(self.has_residual):
             # h = T(float(x) + float(res)), one rounding; the norm reads float(h)
             rH.store((rX.load().to(Float32) + rR.load().to(Float32)).to(mX.element_type).to(Float32))
             if row_valid:
                 self.core.store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane,
-                                    mX.element_type, vbase)
+                                    mX.element_type)
         else:
             rH.store(rX.load().to(Float32))
 
-        self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, cta_rank, eps, mW, mY,
-                           mQ, mS, static_inv, global_scale, bufs)
+        self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW, mY, mQ, mS,
+                           static_inv, global_scale, bufs)

@@ -4,15 +4,23 @@ Every fused kernel (single GPU, one-shot and two-shot all-reduce) ends the same 
 float32 values of the new residual `h` for its slice of one row, and `NormQuantCore.epilogue` turns
 them into the bf16/fp16 norm output and the quantized bytes and scales of docs/SEMANTICS.md.
 
-Thread layout (`RowTiling`): a row of H elements is cut into 16-byte vectors of 8 elements; a row
-(or, with a thread-block cluster, 1/cluster_n of it) is owned by `threads_per_row` consecutive
-threads, thread `lane` holding vectors `lane + j * threads_per_row`. Groups and quantization blocks
-(16, 32, 64, 128 elements) are then 2..16 consecutive lanes of one warp, reduced with shuffles;
-the row sum of squares goes warp -> shared memory -> (cluster) distributed shared memory.
+Thread layout (`RowTiling`): a row of H elements is cut into 16-byte vectors of 8 elements and
+owned by `row_threads` threads (with a thread-block cluster, spread over its CTAs), row thread
+`lane` holding vectors `lane + j * row_threads`. Groups and quantization blocks (16, 32, 64, 128
+elements) are then 2..16 consecutive lanes of one warp, reduced with shuffles; the row sum of
+squares goes warp -> shared memory (-> distributed shared memory of every CTA of the cluster).
+
+NOTE [batch invariance]
+A row's outputs must not depend on the batch it sits in, the algorithm or the kernel (single GPU or
+all-reduce). Everything but the sum of squares is elementwise or a max (exact in any order); the
+sum of squares is made order-stable: a row always has the same canonical threads (row_threads_for
+depends on H only), each thread sums its vectors' squares in the same order, a warp combines its
+32 lanes with the same butterfly, and the row's warp partials are added in warp order 0, 1, ... --
+also across a cluster, where every CTA receives every warp's partial (not a per-CTA partial) and
+adds them in that same order. So the cluster size (chosen from M) changes where threads run, never
+the float32 operations, and the single-GPU kernel gives the all-reduce kernels' bits.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -20,62 +28,7 @@ from cutlass import Float32, Int32, const_expr
 
 from distnorm.formats import E2M1_MAX, E4M3_MAX, PER_TOKEN_MIN_AMAX, VEC, QuantSpec
 from distnorm.kernels import ptx
-
-MAX_THREADS = 512  # 1024-thread CTAs cap registers at 64 and spill; long rows use a cluster instead
-
-
-@dataclass(frozen=True)
-class RowTiling:
-    """How threads cover rows (compile-time)."""
-
-    hidden: int
-    threads_per_row: int
-    rows_per_cta: int = 1
-    cluster_n: int = 1
-
-    @property
-    def vecs_per_cta_row(self) -> int:
-        return self.hidden // VEC // self.cluster_n
-
-    @property
-    def vecs_per_thread(self) -> int:
-        return -(-self.vecs_per_cta_row // self.threads_per_row)
-
-    @property
-    def exact(self) -> bool:
-        """Every thread's every vector is inside the row (no predicate needed)."""
-        return self.vecs_per_cta_row % self.threads_per_row == 0
-
-    @property
-    def threads(self) -> int:
-        return self.threads_per_row * self.rows_per_cta
-
-    @property
-    def warps_per_row(self) -> int:
-        return self.threads_per_row // 32
-
-
-def choose_tiling(hidden: int, cluster_n: int = 1, block: int = 0) -> RowTiling:
-    """Pick threads per row so each thread holds about 4 vectors (32 elements) of one row.
-
-    Around 4 independent 16-byte loads per input in flight per thread is what keeps HBM busy without
-    spilling; fewer vectors per thread means more threads and more reduction steps.
-    """
-    if hidden % VEC or (hidden // VEC) % cluster_n:
-        raise ValueError(f"hidden={hidden} does not split into {cluster_n} CTAs of 8-element vectors")
-    vecs = hidden // VEC // cluster_n
-    if block and (vecs * VEC) % block:
-        raise ValueError(f"hidden={hidden} / cluster_n={cluster_n} is not a multiple of the block {block}")
-    best = None
-    for nv in (4, 2, 3, 5, 6, 8, 1, 7, 10, 12, 16):
-        if vecs % nv == 0 and (vecs // nv) % 32 == 0 and vecs // nv <= MAX_THREADS:
-            best = vecs // nv
-            break
-    if best is None:  # ragged row: predicate the tail vectors
-        best = min(MAX_THREADS, max(32, -(-(-(-vecs // 4)) // 32) * 32))
-    rows = max(1, min(8, 256 // best))
-    return RowTiling(hidden=hidden, threads_per_row=best, rows_per_cta=rows, cluster_n=cluster_n)
-
+from distnorm.kernels.tiling import RowTiling
 
 class NormQuantCore:
     """RMSNorm + quantization epilogue shared by every fused kernel.
@@ -94,7 +47,8 @@ class NormQuantCore:
 
     # ---- shared memory -------------------------------------------------------------------------
     def allocate_smem(self, smem):
-        """Per-row partials: [rows_per_cta, warps_per_row] and [rows_per_cta, cluster_n], two phases."""
+        """Per-row partials: [rows_per_cta, warps_per_row] and (cluster) [rows_per_cta, row_warps],
+        two phases."""
         t = self.t
         bufs = []
         for _ in range(2):  # phase 0: sum of squares, phase 1: per-token amax
@@ -102,7 +56,8 @@ class NormQuantCore:
                 Float32, cute.make_layout((t.rows_per_cta, max(1, t.warps_per_row))), byte_alignment=16
             )
             cta_buf = smem.allocate_tensor(
-                Float32, cute.make_layout((t.rows_per_cta, t.cluster_n)), byte_alignment=16
+                Float32, cute.make_layout((t.rows_per_cta, t.row_warps if t.cluster_n > 1 else 1)),
+                byte_alignment=16
             )
             bufs.append((warp_buf, cta_buf))
         return bufs
@@ -126,56 +81,53 @@ class NormQuantCore:
 
     # ---- row loads and stores ------------------------------------------------------------------
     @cute.jit
-    def _copy_row(self, frag, tRow, lane: Int32, store: cutlass.Constexpr, dtype, vbase):
-        """Between a register fragment and this thread's vectors of the row tRow (tiled in 8-element
-        vectors): store -> tRow <- frag converted to dtype, else frag <- tRow. vbase: index of this
-        CTA's first vector of the row in a cluster (None: 0)."""
+    def _copy_row(self, frag, tRow, lane: Int32, store: cutlass.Constexpr, dtype):
+        """Between a register fragment and row thread `lane`'s vectors of the row tRow (tiled in
+        8-element vectors): store -> tRow <- frag converted to dtype, else frag <- tRow."""
         t = self.t
         for j in cutlass.range_constexpr(t.vecs_per_thread):
-            v = lane + j * t.threads_per_row
-            if const_expr(t.exact) or v < t.vecs_per_cta_row:
-                idx = v
-                if const_expr(vbase is not None):
-                    idx = vbase + v
+            v = lane + j * t.row_threads
+            if const_expr(t.exact) or v < t.vecs:
                 if const_expr(store):
-                    tRow[(None, idx)].store(self._slice(frag, j).load().to(dtype))
+                    tRow[(None, v)].store(self._slice(frag, j).load().to(dtype))
                 else:
-                    self._slice(frag, j).store(tRow[(None, idx)].load())
+                    self._slice(frag, j).store(tRow[(None, v)].load())
 
-    def load_row(self, dst, tSrc, lane: Int32, vbase=None):
-        """dst (register fragment) <- this thread's vectors of the row tSrc."""
-        self._copy_row(dst, tSrc, lane, False, None, vbase)
+    def load_row(self, dst, tSrc, lane: Int32):
+        """dst (register fragment) <- row thread `lane`'s vectors of the row tSrc."""
+        self._copy_row(dst, tSrc, lane, False, None)
 
-    def store_row(self, src, tDst, lane: Int32, dtype, vbase=None):
-        """This thread's vectors of the row tDst <- src (register fragment) converted to dtype."""
-        self._copy_row(src, tDst, lane, True, dtype, vbase)
+    def store_row(self, src, tDst, lane: Int32, dtype):
+        """Row thread `lane`'s vectors of the row tDst <- src (register fragment) as dtype."""
+        self._copy_row(src, tDst, lane, True, dtype)
 
     # ---- reductions ----------------------------------------------------------------------------
     @cute.jit
     def row_reduce(self, val: Float32, is_max: cutlass.Constexpr, bufs, row_in_cta: Int32,
-                   lane: Int32, cta_rank: Int32) -> Float32:
-        """Reduce `val` over the whole row (all warps of the row, all CTAs of the cluster)."""
+                   lane: Int32) -> Float32:
+        """Reduce `val` over the whole row: warp butterflies, then the row's warp partials in warp
+        order (all CTAs of a cluster add all of them: NOTE [batch invariance])."""
         t = self.t
         op = ptx.fmax_nan if const_expr(is_max) else (lambda a, b: a + b)
         warp_buf, cta_buf = bufs
         val = cute.arch.warp_reduction(val, op, threads_in_group=min(32, t.threads_per_row))
-        if const_expr(t.warps_per_row > 1):
+        if const_expr(t.cluster_n > 1):
+            if lane % 32 == 0:
+                addr = ptx.smem_ptr_u32((cta_buf.iterator + cta_buf.layout((row_in_cta, lane // 32))))
+                for c in cutlass.range_constexpr(t.cluster_n):
+                    ptx.st_shared_cluster_f32(addr, Int32(c), val)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            val = cta_buf[row_in_cta, 0]
+            for w in cutlass.range_constexpr(1, t.row_warps):
+                val = op(val, cta_buf[row_in_cta, w])
+        elif const_expr(t.warps_per_row > 1):
             if lane % 32 == 0:
                 warp_buf[row_in_cta, lane // 32] = val
             cute.arch.barrier()
             val = warp_buf[row_in_cta, 0]
             for w in cutlass.range_constexpr(1, t.warps_per_row):
                 val = op(val, warp_buf[row_in_cta, w])
-        if const_expr(t.cluster_n > 1):
-            if lane == 0:
-                addr = ptx.smem_ptr_u32((cta_buf.iterator + cta_buf.layout((row_in_cta, cta_rank))))
-                for c in cutlass.range_constexpr(t.cluster_n):
-                    ptx.st_shared_cluster_f32(addr, Int32(c), val)
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-            val = cta_buf[row_in_cta, 0]
-            for c in cutlass.range_constexpr(1, t.cluster_n):
-                val = op(val, cta_buf[row_in_cta, c])
         return val
 
     # ---- block scales --------------------------------------------------------------------------
@@ -256,17 +208,18 @@ class NormQuantCore:
 
     # ---- the epilogue --------------------------------------------------------------------------
     @cute.jit
-    def load_weight(self, mW, lane: Int32, cta_rank: Int32):
-        """This thread's vectors of the weight [H] as a register fragment of its dtype."""
+    def load_weight(self, mW, lane: Int32):
+        """Row thread `lane`'s vectors of the weight [H] as a register fragment of its dtype."""
         rW = self.zeros(mW.element_type)
-        self.load_row(rW, cute.zipped_divide(mW, (VEC,)), lane, cta_rank * self.t.vecs_per_cta_row)
+        self.load_row(rW, cute.zipped_divide(mW, (VEC,)), lane)
         return rW
 
     @cute.jit
     def epilogue(self, rH, row: Int32, row_valid, scale_valid, lane: Int32, row_in_cta: Int32,
-                 cta_rank: Int32, eps: Float32, mW, mY, mQ, mS, static_inv: Float32,
-                 global_scale: Float32, bufs, rW=None):
-        """rH: float32 register fragment [vecs_per_thread * 8] of h for this thread's vectors.
+                 eps: Float32, mW, mY, mQ, mS, static_inv: Float32, global_scale: Float32, bufs,
+                 rW=None):
+        """rH: float32 register fragment [vecs_per_thread * 8] of h for row thread `lane`'s
+        vectors (lane: the thread's index among the row's row_threads, cluster-wide).
         rW: this thread's weight vectors (load_weight), when the caller loaded them early; else
         they are loaded here.
 
@@ -277,15 +230,14 @@ class NormQuantCore:
         """
         t = self.t
         nv = t.vecs_per_thread
-        vbase = cta_rank * t.vecs_per_cta_row
         if const_expr(rW is None):
             # issued before the reduction so its latency hides behind it (matters at M=1)
-            rW = self.load_weight(mW, lane, cta_rank)
+            rW = self.load_weight(mW, lane)
         # sum of squares (tail vectors of a ragged row hold zeros)
         ss = Float32(0.0)
         for i in cutlass.range_constexpr(nv * VEC):
             ss = ss + rH[i] * rH[i]
-        ss = self.row_reduce(ss, False, bufs[0], row_in_cta, lane, cta_rank)
+        ss = self.row_reduce(ss, False, bufs[0], row_in_cta, lane)
         r = ptx.rsqrt_rn(ptx.div_rn(ss, Float32(t.hidden)) + eps)
         # y = (h * r) * w, kept in registers (reusing rH)
         for j in cutlass.range_constexpr(nv):
@@ -297,11 +249,10 @@ class NormQuantCore:
                 rH[j * VEC + e] = (rH[j * VEC + e] * r) * wf
         if const_expr(self.write_y):
             if row_valid:
-                self.store_row(rH, cute.zipped_divide(mY[row, None], (VEC,)), lane, mY.element_type,
-                               vbase)
+                self.store_row(rH, cute.zipped_divide(mY[row, None], (VEC,)), lane, mY.element_type)
         if const_expr(self.q.info.scales != "none"):
-            self._quantize(rH, row, row_valid, scale_valid, lane, row_in_cta, cta_rank, mQ, mS,
-                           static_inv, global_scale, bufs)
+            self._quantize(rH, row, row_valid, scale_valid, lane, row_in_cta, mQ, mS, static_inv,
+                           global_scale, bufs)
 
     def _slice(self, rH, j: int):
         """The 8-element register view of vector j."""
@@ -309,55 +260,54 @@ class NormQuantCore:
 
     @cute.jit
     def _quantize(self, rY, row: Int32, row_valid, scale_valid, lane: Int32, row_in_cta: Int32,
-                  cta_rank: Int32, mQ, mS, static_inv: Float32, global_scale: Float32, bufs):
+                  mQ, mS, static_inv: Float32, global_scale: Float32, bufs):
         t = self.t
         q = self.q
         nv = t.vecs_per_thread
-        vbase = cta_rank * t.vecs_per_cta_row
         if const_expr(q.packed_fp4):
             tQ = mQ[row, None]
         else:
             tQ = cute.zipped_divide(mQ[row, None], (2,))
         if const_expr(q.info.scales == "static"):
             for j in cutlass.range_constexpr(nv):
-                v = lane + j * t.threads_per_row
-                if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                v = lane + j * t.row_threads
+                if const_expr(t.exact) or v < t.vecs:
                     if row_valid:
-                        self._store_q(rY, j, static_inv, tQ, vbase + v)
+                        self._store_q(rY, j, static_inv, tQ, v)
         elif const_expr(q.info.scales == "row"):
             amax = Float32(0.0)
             for i in cutlass.range_constexpr(nv * VEC):
                 amax = ptx.fmax_nan(amax, ptx.fabs(rY[i]))
-            amax = self.row_reduce(amax, True, bufs[1], row_in_cta, lane, cta_rank)
+            amax = self.row_reduce(amax, True, bufs[1], row_in_cta, lane)
             stored, inv = self._block_scale(amax, global_scale)
-            if lane == 0 and cta_rank == 0 and row_valid:
+            if lane == 0 and row_valid:
                 self._store_scale(mS, row, Int32(0), stored)
             for j in cutlass.range_constexpr(nv):
-                v = lane + j * t.threads_per_row
-                if const_expr(t.exact) or v < t.vecs_per_cta_row:
+                v = lane + j * t.row_threads
+                if const_expr(t.exact) or v < t.vecs:
                     if row_valid:
-                        self._store_q(rY, j, inv, tQ, vbase + v)
+                        self._store_q(rY, j, inv, tQ, v)
         else:  # blocked formats: a block is `lanes` consecutive lanes of one vector column j
             lanes = q.group_size // VEC
             for j in cutlass.range_constexpr(nv):
-                v = lane + j * t.threads_per_row
+                v = lane + j * t.row_threads
                 amax = Float32(0.0)
                 for e in cutlass.range_constexpr(VEC):
                     amax = ptx.fmax_nan(amax, ptx.fabs(rY[j * VEC + e]))
                 if const_expr(lanes > 1):
                     amax = cute.arch.warp_reduction(amax, ptx.fmax_nan, threads_in_group=lanes)
                 stored, inv = self._block_scale(amax, global_scale)
-                if const_expr(t.exact) or v < t.vecs_per_cta_row:
-                    blk = (vbase + v) // lanes
+                if const_expr(t.exact) or v < t.vecs:
+                    blk = v // lanes
                     if lane % lanes == 0 and scale_valid:
                         self._store_scale(mS, row, blk, stored)
                     if row_valid:
-                        self._store_q(rY, j, inv, tQ, vbase + v)
+                        self._store_q(rY, j, inv, tQ, v)
             if const_expr(q.swizzled):
                 # zero the padding columns of the 128x4 layout (padded rows get zeros from y = 0)
                 k = t.hidden // q.group_size
                 kp = (k + 3) // 4 * 4
                 if const_expr(kp > k):
-                    if lane == 0 and cta_rank == 0 and scale_valid:
+                    if lane == 0 and scale_valid:
                         for c in cutlass.range_constexpr(k, kp):
                             self._store_scale(mS, row, Int32(c), Float32(0.0))

@@ -430,6 +430,46 @@ def _body_nd_inputs() -> None:
         ws.barrier()
 
 
+def _body_batch_invariance() -> None:
+    """A row's outputs (residual, y, q, scales, all-reduce) are bitwise the same in batches of
+    M = 1, 7, 128, 4099 and under every algorithm, and the single-GPU kernel on that row's h gives
+    the same y, q and scales (NOTE [batch invariance] in kernels/norm_quant.py)."""
+    import distnorm
+    from distnorm.collectives import allreduce_add_rmsnorm
+    from distnorm.comm import Workspace
+    from invariance import BATCHES, assert_same_bytes, embed, row_bytes
+
+    boot = _boot()
+    with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
+        def check():
+            for H in (4096, 16384):
+                x, res, w = _inputs(1, H, ws.rank, 4242 + H)
+                g = torch.Generator(device="cuda").manual_seed(ws.rank * 31 + H)
+                for qname in QUANTS:
+                    kw, spec = _kwargs(qname)
+                    first = None
+                    for algo in ALGOS:
+                        for M, pos in BATCHES:
+                            out = allreduce_add_rmsnorm(
+                                embed(x[0], M, pos, g), embed(res[0], M, pos, g), w, 1e-6,
+                                workspace=ws, algo=algo, norm_out=True, allreduce_out=True, **kw)
+                            got = row_bytes(out, spec, M, H, pos,
+                                            ("residual", "y", "q", "scales", "allreduce"))
+                            if first is None:
+                                first = got
+                            else:
+                                assert_same_bytes(got, first, f"{qname} H={H} {algo} M={M}")
+                    h = first["residual"].view(x.dtype).view(1, H)
+                    single = distnorm.add_rmsnorm(h, None, w, 1e-6, norm_out=True, **kw)
+                    want = {k: v for k, v in first.items() if k in ("y", "q", "scales")}
+                    assert_same_bytes(row_bytes(single, spec, 1, H, 0, ("y", "q", "scales")), want,
+                                      f"{qname} H={H} single GPU vs all-reduce")
+            torch.cuda.synchronize()
+            ws.raise_if_failed()
+        _gathered_check(boot, check)
+        ws.barrier()
+
+
 # --- tests ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("algo", ALGOS)
 def test_allreduce_add_rmsnorm_grid(algo):
@@ -463,3 +503,7 @@ def test_dependent_chain_pdl():
 
 def test_nd_inputs():
     run_distributed(_body_nd_inputs, timeout_s=TIMEOUT_S)
+
+
+def test_batch_invariance():
+    run_distributed(_body_batch_invariance, timeout_s=TIMEOUT_S)

@@ -36,6 +36,12 @@ def set_value_checks(enabled: bool) -> bool:
     return previous
 
 
+def checked_mode() -> bool:
+    """Checked mode (DISTNORM_CHECK=1 or set_value_checks(True)): value checks on, and every
+    all-reduce call waits for its kernels and raises its own failure."""
+    return _value_checks
+
+
 def check_values(x: Tensor, residual, weight: Tensor, spec: Optional[QuantSpec], scale,
                  global_scale) -> None:
     """With value checks on (and not during CUDA-graph capture): ValueError unless the format's

@@ -3,10 +3,12 @@
     layout.py    where things live in a workspace (signal-pad regions, error words, buffer split);
                  pure Python, imported by comm/ and the kernels too
     plan.py      algorithm registry, crossover tables, rows per launch, tuning (pure Python)
+    signature.py the call descriptor every rank of a launch must agree on
+    faults.py    deadlines, recorded errors and the messages that explain them
     state.py     the per-workspace state (AllReduceState), owned by the workspace
     dispatch.py  running one call: kernels over peer mappings, or the NCCL fallback
     ops.py       the user-facing ops and their torch.library registration
 """
-from distnorm.collectives.ops import allreduce, allreduce_add_rmsnorm, reset
+from distnorm.collectives.ops import allreduce, allreduce_add_rmsnorm, check, reset
 
-__all__ = ["allreduce", "allreduce_add_rmsnorm", "reset"]
+__all__ = ["allreduce", "allreduce_add_rmsnorm", "reset", "check"]

@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from distnorm.args import DTYPE_NAMES, check_rows_aligned, copy_outputs, kernel_views
+from distnorm.args import DTYPE_NAMES, check_rows_aligned, checked_mode, copy_outputs, kernel_views
+from distnorm.collectives.faults import raise_if_failed
 from distnorm.collectives.plan import plan_launch
 from distnorm.collectives.state import state_of
 from distnorm.formats import QuantSpec, kernel_spec
@@ -57,6 +58,7 @@ def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, resid
                                 tuning.pdl, rows_per_cta)
     qv, sv = kernel_views(spec, q_out, scales_out)
     state.check_signal_pad(ws)
+    raise_if_failed(ws)  # pinned words: cheap; a failed workspace launches nothing until reset
     ptrs = state.lamport_table(ws) if algo == "lamport" else ws.buffer_ptrs
     ctas = state.grid_cap(x.device, H, kspec, rows_per_cta)
     err = ws.error_flag_device
@@ -66,8 +68,9 @@ def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, resid
                _rows(qv, a, b), _scale_rows(spec, sv, a, b, H), scale, global_scale,
                _rows(ar_out, a, b), ptrs, ws.signal_ptrs, err, ws.rank, ctas, float(eps),
                tuning.timeout_ns)
-    if not torch.cuda.is_current_stream_capturing():
-        ws.raise_if_failed()  # reads pinned memory: cheap; an error shows after the kernel ran
+    if checked_mode() and not torch.cuda.is_current_stream_capturing():
+        torch.cuda.current_stream(x.device).synchronize()  # this call's own error raises here
+        raise_if_failed(ws)
 
 
 def gathered_sum(x: Tensor, group) -> Tensor:

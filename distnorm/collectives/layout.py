@@ -8,9 +8,11 @@ Signal pad (per rank, ``Workspace.signal_bytes``, u32 words), regions of ``REGIO
     region 1  REGION_ONESHOT       one-shot's cross-rank CTA barrier
     region 2  REGION_TWOSHOT       two-shot's cross-rank CTA barrier
     region 3  REGION_LAMPORT       lamport's call state (LAMPORT_W_* words below)
-    region 4  REGION_DEVICE_ERROR  word 0: the device error word (DEVICE_ERROR_WORD)
+    region 4  REGION_DEVICE_ERROR  word 0: the device error word (DEVICE_ERROR_WORD), then the
+                                   call words (CALL_W_* below)
 
-A barrier region holds ``epochs[MAX_CTAS]`` then ``flags[MAX_CTAS][MAX_WORLD]`` (kernels/sync.py).
+A barrier region holds ``epochs[MAX_CTAS]`` then 64-bit ``flags[MAX_CTAS][MAX_WORLD]``, each flag
+(epoch, call signature) (kernels/sync.py).
 Each algorithm owns its region: two kernels on one region would advance each other's epochs.
 Append new regions; never reuse an index.
 
@@ -19,7 +21,17 @@ it to give up early. They never poll the pinned words: a GPU read of host memory
 polling it made every wait that reached the check late enough to trigger it on the peers too.
 
 Pinned error words (``Workspace.error_flag``, int32 [ERROR_WORDS] in host memory): [ERR_CODE] =
-error code (ERROR_*), [ERR_PEER] = the rank waited on, [ERR_EPOCH] = the epoch / lamport area.
+error code (ERROR_*), [ERR_PEER] = the rank waited on or disagreed with, [ERR_EPOCH] = the epoch /
+lamport area (timeout) or the index of the call-descriptor word that differs (mismatch; -1: only the
+signatures were compared), [ERR_VALUE] = the peer's value of that word (or its signature).
+
+Call words (region 4, after the device error word; collectives/signature.py says what they hold):
+CALL_W_LAST = the 4 descriptor words of this rank's last all-reduce launch (written by the kernel,
+read by the host to say what differs when a call fails); CALL_W_LAMPORT_HDR + (k * MAX_WORLD + s) * 4
+= the descriptor that rank s pushed with its rows into lamport area k (sentinel when empty);
+CALL_W_HOST_BARRIER + b * MAX_WORLD + s = the epoch of rank s's last arrival at host barrier b
+(HOST_BARRIER_FIRST_CALL: the first lamport call; HOST_BARRIER_RESET_A / _B: the two of reset;
+collectives/faults.py).
 
 Data buffer (per rank, ``Workspace.buffer_bytes``)::
 
@@ -39,15 +51,18 @@ from __future__ import annotations
 __all__ = [
     "MAX_CTAS", "MAX_WORLD", "REGION_WORDS", "REGION_BARRIER_TEST", "REGION_ONESHOT",
     "REGION_TWOSHOT", "REGION_LAMPORT", "REGION_DEVICE_ERROR", "region_word", "DEVICE_ERROR_WORD",
-    "MIN_SIGNAL_BYTES", "ERROR_NONE", "ERROR_TIMEOUT", "ERROR_NAMES", "ERROR_WORDS", "ERR_CODE",
-    "ERR_PEER", "ERR_EPOCH", "LAMPORT_AREAS", "LAMPORT_SENTINEL", "LAMPORT_SENTINEL_I32",
+    "MIN_SIGNAL_BYTES", "ERROR_NONE", "ERROR_TIMEOUT", "ERROR_MISMATCH", "ERROR_NAMES",
+    "ERROR_WORDS", "ERR_CODE", "ERR_PEER", "ERR_EPOCH", "ERR_VALUE", "FLAG_WORDS", "DESCRIPTOR_WORDS",
+    "CALL_W_LAST", "CALL_W_LAMPORT_HDR", "CALL_W_HOST_BARRIER", "HOST_BARRIER_FIRST_CALL",
+    "HOST_BARRIER_RESET_A", "HOST_BARRIER_RESET_B", "LAMPORT_AREAS", "LAMPORT_SENTINEL", "LAMPORT_SENTINEL_I32",
     "LAMPORT_W_AREA", "LAMPORT_W_ARRIVE", "LAMPORT_W_VECS", "LAMPORT_STATE_WORDS",
     "lamport_split", "check_signal_pad",
 ]
 
 MAX_CTAS = 1024   # CTA indices a barrier region has epochs and flags for
 MAX_WORLD = 8     # ranks a barrier region has flags for
-REGION_WORDS = MAX_CTAS + MAX_CTAS * MAX_WORLD  # 9216 words = 36 KiB
+FLAG_WORDS = 2    # a flag is (epoch, signature): one 64-bit word
+REGION_WORDS = MAX_CTAS + MAX_CTAS * MAX_WORLD * FLAG_WORDS  # 17408 words = 68 KiB
 
 REGION_BARRIER_TEST = 0
 REGION_ONESHOT = 1
@@ -61,18 +76,24 @@ def region_word(region: int) -> int:
     return region * REGION_WORDS
 
 
+LAMPORT_AREAS = 3  # rotating lamport areas of the data buffer (see below)
 DEVICE_ERROR_WORD = region_word(REGION_DEVICE_ERROR)
-MIN_SIGNAL_BYTES = (DEVICE_ERROR_WORD + 1) * 4  # every region and the device error word fit
+DESCRIPTOR_WORDS = 4
+CALL_W_LAST = DEVICE_ERROR_WORD + 4          # 16-byte aligned
+CALL_W_LAMPORT_HDR = CALL_W_LAST + DESCRIPTOR_WORDS
+CALL_W_HOST_BARRIER = CALL_W_LAMPORT_HDR + LAMPORT_AREAS * MAX_WORLD * DESCRIPTOR_WORDS
+HOST_BARRIER_FIRST_CALL, HOST_BARRIER_RESET_A, HOST_BARRIER_RESET_B = 0, 1, 2
+MIN_SIGNAL_BYTES = (CALL_W_HOST_BARRIER + 3 * MAX_WORLD) * 4  # every region and call word fits
 
 # pinned error words
 ERROR_NONE = 0
-ERROR_TIMEOUT = 1  # a device-side wait on a peer gave up
-ERROR_NAMES = {ERROR_NONE: "none", ERROR_TIMEOUT: "timeout"}
+ERROR_TIMEOUT = 1   # a device-side wait on a peer gave up
+ERROR_MISMATCH = 2  # a peer launched the same algorithm with another call descriptor
+ERROR_NAMES = {ERROR_NONE: "none", ERROR_TIMEOUT: "timeout", ERROR_MISMATCH: "mismatch"}
 ERROR_WORDS = 4
-ERR_CODE, ERR_PEER, ERR_EPOCH = 0, 1, 2
+ERR_CODE, ERR_PEER, ERR_EPOCH, ERR_VALUE = 0, 1, 2, 3
 
-# lamport
-LAMPORT_AREAS = 3
+# lamport (LAMPORT_AREAS above)
 LAMPORT_SENTINEL = 0xFFFFFFFF   # every 32-bit word of an empty area
 LAMPORT_SENTINEL_I32 = -1       # the same bits as a signed 32-bit value
 LAMPORT_W_AREA, LAMPORT_W_ARRIVE, LAMPORT_W_VECS = 0, 1, 2

@@ -20,6 +20,7 @@ from torch import Tensor
 from distnorm.args import (allocate_outputs, check_op_inputs, check_rows, check_values,
                            returned_scales)
 from distnorm.collectives import dispatch
+from distnorm.collectives.faults import raise_if_failed
 from distnorm.collectives.plan import ALGOS
 from distnorm.collectives.state import state_of
 from distnorm.comm.workspace import Workspace
@@ -27,7 +28,7 @@ from distnorm.formats import (MAX_HIDDEN, MIN_HIDDEN, VEC, NormQuantOutput, Quan
                               make_quant_spec, spec_code)
 from distnorm.rows import as_rows, call_on_rows
 
-__all__ = ["allreduce_add_rmsnorm", "allreduce", "reset"]
+__all__ = ["allreduce_add_rmsnorm", "allreduce", "reset", "check"]
 
 # The workspace cannot travel through an op schema: compiled graphs carry its handle (never reused,
 # AllReduceState.handle) and find it here. Weak: a workspace in a compiled graph is not kept alive.
@@ -150,7 +151,19 @@ def allreduce(x: Tensor, *, workspace: Workspace, algo: str = "auto",
 
 
 def reset(workspace: Workspace) -> None:
-    """Make a workspace usable again after a CommTimeoutError: clear its error words, zero its
-    barrier regions and refill its lamport areas. Collective: call on every rank, while no kernel of
-    the workspace runs anywhere."""
-    state_of(workspace).reset(workspace)
+    """Make a workspace usable again after a CommError (timeout or mismatch): clear its error
+    words, zero its barrier regions and refill its lamport areas. Collective: call on every rank,
+    while no kernel of the workspace runs anywhere (synchronize first); it waits for the other
+    ranks at most DISTNORM_HOST_TIMEOUT_S."""
+    if workspace.p2p_ok and not workspace.closed:
+        torch.cuda.synchronize(workspace.device)
+        state_of(workspace).reset(workspace)
+    else:
+        workspace.reset_error()
+
+
+def check(workspace: Workspace) -> None:
+    """Raise the CommError a kernel of `workspace` recorded (CommTimeoutError, CommMismatchError),
+    if any. Errors are recorded when the kernel runs: synchronize first to include the last call's.
+    Checked mode (DISTNORM_CHECK=1) does this after every call."""
+    raise_if_failed(workspace)

@@ -96,15 +96,20 @@ class Tuning:
     pdl: programmatic dependent launch (NOTE [programmatic dependent launch] in kernels/allreduce.py).
     rows_per_cta: {algo: rows per CTA}, 0 = choose_tiling's.
     timeout_s: how long a CTA waits for a peer before it records a timeout and gives up.
+    host_timeout_s: how long a host-side wait for the group (the first lamport call's preparation,
+      reset) lasts before it raises: long, because ranks reach their first call at different times
+      (model loading, compilation).
     """
 
     pdl: bool = True
     rows_per_cta: Mapping[str, int] = field(default_factory=_default_rows_per_cta)
     timeout_s: float = 10.0
+    host_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 s, got {self.timeout_s!r}")
+        for name in ("timeout_s", "host_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 s, got {getattr(self, name)!r}")
 
     @property
     def timeout_ns(self) -> int:
@@ -112,15 +117,19 @@ class Tuning:
 
     @classmethod
     def from_env(cls) -> "Tuning":
-        """The defaults, overridden by DISTNORM_PDL=0 (no programmatic dependent launch) and
-        DISTNORM_BARRIER_TIMEOUT_S (seconds)."""
-        timeout = os.environ.get("DISTNORM_BARRIER_TIMEOUT_S")
-        try:
-            timeout_s = float(timeout) if timeout else cls.timeout_s
-        except ValueError:
-            raise ValueError(f"DISTNORM_BARRIER_TIMEOUT_S must be a number of seconds, got "
-                             f"{timeout!r}") from None
-        return cls(pdl=os.environ.get("DISTNORM_PDL", "1") != "0", timeout_s=timeout_s)
+        """The defaults, overridden by DISTNORM_PDL=0 (no programmatic dependent launch),
+        DISTNORM_BARRIER_TIMEOUT_S and DISTNORM_HOST_TIMEOUT_S (seconds)."""
+        return cls(pdl=os.environ.get("DISTNORM_PDL", "1") != "0",
+                   timeout_s=_seconds("DISTNORM_BARRIER_TIMEOUT_S", cls.timeout_s),
+                   host_timeout_s=_seconds("DISTNORM_HOST_TIMEOUT_S", cls.host_timeout_s))
+
+
+def _seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    try:
+        return float(value) if value else default
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
 
 
 def lamport_capacity(world: int, hidden: int, elem_size: int, buffer_bytes: int) -> int:

@@ -10,9 +10,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from distnorm.collectives.layout import (LAMPORT_AREAS, LAMPORT_SENTINEL_I32, LAMPORT_STATE_WORDS,
-                                         REGION_LAMPORT, REGION_WORDS, check_signal_pad,
-                                         lamport_split, region_word)
+from distnorm.collectives.faults import host_barrier
+from distnorm.collectives.layout import (CALL_W_HOST_BARRIER, CALL_W_LAMPORT_HDR,
+                                         HOST_BARRIER_FIRST_CALL, HOST_BARRIER_RESET_A,
+                                         HOST_BARRIER_RESET_B, LAMPORT_AREAS, LAMPORT_SENTINEL_I32,
+                                         LAMPORT_STATE_WORDS, MAX_WORLD, REGION_LAMPORT,
+                                         REGION_WORDS, check_signal_pad, lamport_split,
+                                         region_word)
 from distnorm.collectives.plan import ALGORITHMS, Tuning
 from distnorm.formats import QuantSpec
 
@@ -35,6 +39,10 @@ class AllReduceState:
         self.handle = next(_handles)
         self.lamport_ptrs: Optional[Tensor] = None
         self.fallback_logged = False
+        # passes through the host barriers (faults.host_barrier): the first-call one may be
+        # skipped by a rank that failed, so reset() re-zeroes it; reset() counts its own
+        self.first_call_barriers = 0
+        self.resets = 0
         self._signal_checked = False
         self._grid_caps: dict = {}
         self._ones: dict = {}
@@ -57,9 +65,22 @@ class AllReduceState:
         return self.lamport_ptrs
 
     def prepare_lamport(self, ws) -> None:
-        """Fill this rank's three lamport areas with the sentinel, zero the lamport call state,
-        then a host barrier; build the area table. Collective: every rank, while no kernel of `ws`
-        runs."""
+        """Fill this rank's lamport areas (fill_lamport), then a host barrier with a deadline;
+        build the area table. Collective: every rank, while no kernel of `ws` runs."""
+        self.fill_lamport(ws)
+        self.first_call_barriers += 1
+        host_barrier(ws, HOST_BARRIER_FIRST_CALL, self.first_call_barriers,
+                     self.tuning.host_timeout_s)
+        self.lamport_ptrs = self._lamport_table(ws)
+
+    def _lamport_table(self, ws) -> Tensor:
+        general, area = lamport_split(ws.buffer_bytes)
+        ptrs = [p + general + k * area for k in range(LAMPORT_AREAS) for p in ws.buffer_ptrs_host]
+        return torch.tensor(ptrs, dtype=torch.int64, device=ws.device)
+
+    def fill_lamport(self, ws) -> None:
+        """Fill this rank's three lamport areas and descriptor headers with the sentinel and zero
+        the lamport call state (no kernel of `ws` may run anywhere)."""
         self.check_signal_pad(ws)
         general, area = lamport_split(ws.buffer_bytes)
         words = ws.local_buffer(torch.int32, (ws.buffer_bytes // 4,))
@@ -67,20 +88,29 @@ class AllReduceState:
             torch.cuda.synchronize(ws.device)
             words[general // 4:(general + LAMPORT_AREAS * area) // 4].fill_(LAMPORT_SENTINEL_I32)
             w0 = region_word(REGION_LAMPORT)
-            ws.peer_signal(ws.rank)[w0:w0 + LAMPORT_STATE_WORDS].zero_()
+            pad = ws.peer_signal(ws.rank)
+            pad[w0:w0 + LAMPORT_STATE_WORDS].zero_()
+            pad[CALL_W_LAMPORT_HDR:CALL_W_HOST_BARRIER].fill_(LAMPORT_SENTINEL_I32)
             torch.cuda.synchronize(ws.device)
-        del words
-        ws.barrier()
-        ptrs = [p + general + k * area for k in range(LAMPORT_AREAS) for p in ws.buffer_ptrs_host]
-        self.lamport_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=ws.device)
 
     def reset(self, ws) -> None:
-        """After a timeout: clear the error words, zero the barrier regions and refill the lamport
-        areas. Collective: every rank, while no kernel of `ws` runs anywhere."""
+        """After a CommError: clear the error words; barrier A (every rank has stopped and entered
+        reset); zero the barrier regions and the first-call host barrier, refill the lamport
+        areas; barrier B (nobody launches before everybody is clean). Collective: every rank, while
+        no kernel of `ws` runs anywhere; each barrier waits at most Tuning.host_timeout_s."""
         ws.reset_error()
+        self.resets += 1
+        timeout = self.tuning.host_timeout_s
+        host_barrier(ws, HOST_BARRIER_RESET_A, self.resets, timeout)
         for algorithm in ALGORITHMS.values():
             zero_region(ws, algorithm.region)
-        self.prepare_lamport(ws)
+        w0 = CALL_W_HOST_BARRIER + HOST_BARRIER_FIRST_CALL * MAX_WORLD
+        with torch.cuda.device(ws.device):
+            ws.peer_signal(ws.rank)[w0:w0 + MAX_WORLD].zero_()
+        self.first_call_barriers = 0
+        self.fill_lamport(ws)
+        host_barrier(ws, HOST_BARRIER_RESET_B, self.resets, timeout)
+        self.lamport_ptrs = self._lamport_table(ws)
 
     def grid_cap(self, device: torch.device, hidden: int, spec: QuantSpec, rows_per_cta: int) -> int:
         """Most CTAs of one all-reduce launch: all of them co-resident (kernels/allreduce.py)."""

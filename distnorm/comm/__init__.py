@@ -9,15 +9,16 @@ Nothing here touches CUDA at import time; cuda-python, mpi4py and nvshmem4py loa
 """
 from distnorm.comm._views import tensor_from_ptr
 from distnorm.comm.bootstrap import Bootstrap, MPIBootstrap, TorchBootstrap, agree, resolve_bootstrap
-from distnorm.comm.errors import (ERROR_NAMES, ERROR_NONE, ERROR_TIMEOUT, BackendUnavailable,
-                                  CommError, CommTimeoutError)
+from distnorm.comm.errors import (ERROR_MISMATCH, ERROR_NAMES, ERROR_NONE, ERROR_TIMEOUT,
+                                  BackendUnavailable, CommError, CommMismatchError,
+                                  CommTimeoutError)
 from distnorm.comm.fdpass import exchange_fds
 from distnorm.comm.workspace import BACKENDS, Workspace
 
 __all__ = [
     "Workspace", "BACKENDS",
     "Bootstrap", "TorchBootstrap", "MPIBootstrap", "resolve_bootstrap", "agree",
-    "CommError", "CommTimeoutError", "BackendUnavailable",
-    "ERROR_NONE", "ERROR_TIMEOUT", "ERROR_NAMES",
+    "CommError", "CommTimeoutError", "CommMismatchError", "BackendUnavailable",
+    "ERROR_NONE", "ERROR_TIMEOUT", "ERROR_MISMATCH", "ERROR_NAMES",
     "exchange_fds", "tensor_from_ptr",
 ]

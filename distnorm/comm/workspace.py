@@ -32,8 +32,8 @@ from typing import Any, Callable
 from distnorm.comm._views import tensor_from_ptr
 from distnorm.comm.bootstrap import Bootstrap, resolve_bootstrap
 from distnorm.collectives.layout import (DEVICE_ERROR_WORD, ERR_CODE, ERR_EPOCH, ERR_PEER,
-                                         ERROR_NAMES, ERROR_NONE, ERROR_WORDS)
-from distnorm.comm.errors import CommTimeoutError
+                                         ERROR_MISMATCH, ERROR_NAMES, ERROR_NONE, ERROR_WORDS)
+from distnorm.comm.errors import CommMismatchError, CommTimeoutError
 from distnorm.launch.env import apply_no_multicast_env
 
 __all__ = ["Workspace", "BACKENDS"]
@@ -318,11 +318,18 @@ class Workspace:
 
     # --- device-side errors ----------------------------------------------------------------
     def raise_if_failed(self) -> None:
-        """Raise CommTimeoutError if a kernel recorded an error (synchronize the stream first)."""
+        """Raise CommTimeoutError (CommMismatchError for a mismatch) if a kernel recorded an error
+        (synchronize the stream first). The all-reduce ops raise through
+        distnorm.collectives.faults, which also says what each rank launched."""
         words = self.error_flag.tolist()
         code, peer, epoch = words[ERR_CODE], words[ERR_PEER], words[ERR_EPOCH]
         if code == ERROR_NONE:
             return
+        if code == ERROR_MISMATCH:
+            raise CommMismatchError(
+                f"distnorm: rank {self.rank}: rank {peer} launched the same collective with other "
+                "arguments. Call reset_error() before reusing the workspace.",
+                rank=self.rank, peer=peer)
         name = ERROR_NAMES.get(code, f"error code {code}")
         raise CommTimeoutError(
             f"distnorm: rank {self.rank} ({name}) gave up waiting for rank {peer} at epoch "

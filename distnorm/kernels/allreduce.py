@@ -30,7 +30,8 @@ One kernel class, three compile-time algorithms:
   of the peers' slots is the sentinel (the residual and weight loads are issued before the polls),
   sums in rank order as one-shot (own rows from x), and refills the peers' slots of the previous
   call's area with the sentinel (the own slot is never written and stays sentinel).
-  The area index lives in the signal pad (NOTE [lamport call state], NOTE [lamport clearing] below).
+  The area index lives in the signal pad (NOTE [lamport call state], NOTE [lamport clearing] in
+  kernels/lamport.py).
   The buffer-pointer table has LAMPORT_AREAS * N entries: entry k * N + s = rank s's area k.
 
 NOTE [programmatic dependent launch]
@@ -59,21 +60,18 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 # absolute imports: the 4.3.5 DSL preprocessor needs them
-from distnorm.collectives.layout import (DEVICE_ERROR_WORD, LAMPORT_SENTINEL_I32, LAMPORT_W_AREA,
-                                         LAMPORT_W_ARRIVE, LAMPORT_W_VECS, REGION_LAMPORT,
-                                         region_word)
+from distnorm.collectives.layout import CALL_W_LAST, region_word
 from distnorm.collectives.plan import ALGORITHMS
+from distnorm.collectives.signature import (SIGNATURE_MULTIPLIER, CallDescriptor,
+                                            signature_constant)
 from distnorm.formats import VEC, QuantSpec
-from distnorm.kernels.lamport import sanitize_word
+from distnorm.kernels.lamport import LamportOneShot
 from distnorm.kernels.norm_quant import NormQuantCore
 from distnorm.kernels.tiling import RowTiling
-from distnorm.kernels.sync import (SPIN_CHECK_MASK, atom_add_acq_rel_gpu_u32, cta_barrier,
-                                   globaltimer_ns, ld_volatile_sys_u32, ld_volatile_sys_v4_u32,
-                                   record_timeout, st_volatile_sys_v4_u32, st_volatile_u32)
+from distnorm.kernels.sync import cta_barrier, st_volatile_sys_v4_u32
 
 
-
-class AllReduceAddRMSNormQuant:
+class AllReduceAddRMSNormQuant(LamportOneShot):
     """Compile-time: algo, world size, tiling (H), quant, residual/gemma/write_y/write_allreduce.
 
     Run-time: M (rows of x), rank, grid size, eps, timeout, the peer-pointer tables.
@@ -81,7 +79,7 @@ class AllReduceAddRMSNormQuant:
 
     def __init__(self, algo: str, world: int, tiling: RowTiling, quant: QuantSpec,
                  has_residual: bool, gemma: bool, write_y: bool, write_allreduce: bool,
-                 pdl: bool = False):
+                 pdl: bool = False, dtype: str = "bfloat16"):
         assert algo in ALGORITHMS, algo
         assert tiling.cluster_n == 1, "the all-reduce kernels use one CTA per row group"
         self.algo = algo
@@ -96,6 +94,11 @@ class AllReduceAddRMSNormQuant:
         # signal-pad region: one-shot's / two-shot's barrier, lamport's call state
         self.region_word = region_word(ALGORITHMS[algo].region)
         self.core = NormQuantCore(tiling, quant, gemma, write_y)
+        # NOTE [call descriptor]: words 1-3 of this kernel's descriptor and its signature constant
+        # (collectives/signature.py); word 0 is the launch's M
+        self.desc = CallDescriptor(0, tiling.hidden, algo, dtype, quant, has_residual, write_y,
+                                   write_allreduce, gemma, world).words()
+        self.sig_const = signature_constant(self.desc)
 
     # ---- host side -----------------------------------------------------------------------------
     @cute.jit
@@ -193,8 +196,19 @@ class AllReduceAddRMSNormQuant:
         return bufs, rT, rR, rH, static_inv, global_scale, rW
 
     @cute.jit
-    def _barrier(self, mSig, rank: Int32, bidx: Int32, timeout: Int64, mErr):
-        cta_barrier(mSig, rank, self.world, self.region_word, bidx, timeout, mErr)
+    def _barrier(self, mSig, rank: Int32, bidx: Int32, timeout: Int64, mErr, sig: Int32):
+        cta_barrier(mSig, rank, self.world, self.region_word, bidx, timeout, mErr, sig)
+
+    @cute.jit
+    def _describe_launch(self, mSig, rank: Int32, m: Int32) -> Int32:
+        """NOTE [call descriptor]: record this launch's descriptor in my signal pad (thread 0 of
+        CTA 0; the host reads it when a call fails) and return its 32-bit signature."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        if (tidx == 0) & (bidx == 0):
+            st_volatile_sys_v4_u32(mSig[rank] + Int64(CALL_W_LAST * 4), m, Int32(self.desc[1]),
+                                   Int32(self.desc[2]), Int32(self.desc[3]))
+        return (m * Int32(SIGNATURE_MULTIPLIER)) ^ Int32(self.sig_const)
 
     # ---- the kernel ------------------------------------------------------------------------------
     @cute.kernel
@@ -227,6 +241,7 @@ class AllReduceAddRMSNormQuant:
 
         bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
                                                                          lane)
+        sig = self._describe_launch(mSig, rank, m)
 
         # phase 1: push my rows into slot `rank` of every other rank's buffer (phase 2 reads my own
         # rows from x: nobody else reads my slot)
@@ -238,7 +253,7 @@ class AllReduceAddRMSNormQuant:
                 for s in cutlass.range_constexpr(self.world):
                     if Int32(s) != rank:
                         self.core.store_row(rT, self._row_view(mBuf[s], off, dtype), lane, dtype)
-        self._barrier(mSig, rank, bidx, timeout, mErr)
+        self._barrier(mSig, rank, bidx, timeout, mErr, sig)
 
         # phase 2: ordered float32 sum of the N slots, residual add, epilogue
         base = mBuf[rank]
@@ -256,7 +271,7 @@ class AllReduceAddRMSNormQuant:
                                mY, mQ, mS, static_inv, global_scale, bufs, rW)
             cute.arch.barrier()  # the next group's reductions reuse the shared-memory partials
         # nobody may overwrite a slot (next call) that a peer still reads
-        self._barrier(mSig, rank, bidx, timeout, mErr)
+        self._barrier(mSig, rank, bidx, timeout, mErr, sig)
 
     @cute.jit
     def _twoshot(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
@@ -275,6 +290,7 @@ class AllReduceAddRMSNormQuant:
         bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
                                                                          lane)
         rA = self.core.zeros(Float32)
+        sig = self._describe_launch(mSig, rank, m)
 
         # phase 1 (reduce-scatter push): row i of slice s -> rank s, slot `rank`, row i; my own
         # slice stays in x (phase 2 reads it there)
@@ -286,7 +302,7 @@ class AllReduceAddRMSNormQuant:
                     self.core.load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
                     off = slot_elems * Int64(rank) + Int64(i) * hidden
                     self.core.store_row(rT, self._row_view(mBuf[s], off, dtype), lane, dtype)
-        self._barrier(mSig, rank, bidx, timeout, mErr)
+        self._barrier(mSig, rank, bidx, timeout, mErr, sig)
 
         # phase 2: reduce my slice, residual add, push T(h) (and T(acc)) to the other ranks' gather
         # areas, then finish my slice's rows here: their epilogue overlaps the NVLink traffic
@@ -324,7 +340,7 @@ class AllReduceAddRMSNormQuant:
                                row_in_cta, eps, mW, mY, mQ, mS, static_inv,
                                global_scale, bufs, rW)
             cute.arch.barrier()  # shared-memory partials are reused by the next row
-        self._barrier(mSig, rank, bidx, timeout, mErr)
+        self._barrier(mSig, rank, bidx, timeout, mErr, sig)
 
         # phase 3: the other ranks' slices: full rows of gathered h -> residual_out, allreduce_out,
         # epilogue
@@ -352,181 +368,4 @@ class AllReduceAddRMSNormQuant:
                                        row_in_cta, eps, mW, mY, mQ, mS, static_inv,
                                        global_scale, bufs, rW)
                     cute.arch.barrier()  # shared-memory partials are reused by the next row
-        self._barrier(mSig, rank, bidx, timeout, mErr)
-
-    # ---- lamport one-shot ------------------------------------------------------------------------
-    # NOTE [lamport call state]
-    # Area index k (0, 1, 2) of a call, the rows each area last held, and an arrival counter live in
-    # this rank's signal pad (layout.REGION_LAMPORT), never in kernel arguments, so CUDA-graph replays and
-    # back-to-back launches continue from the stored state. The grid changes with M, so a per-CTA
-    # counter would drift between CTA indices; instead every thread reads k at its start, and after
-    # its pushes (bar.sync: all threads of the CTA have read k) thread 0 arrives on the counter
-    # (atom.acq_rel.gpu); the LAST CTA to arrive -- after every CTA of this launch has read k --
-    # resets the counter, records this call's vectors per slot for area k and advances k. The rows
-    # word of the previous area, read later, is not written by this launch. The next launch on the
-    # stream reads the state after this one ended.
-    # Every rank runs the same sequence of lamport calls (same M), so k agrees across ranks.
-    #
-    # NOTE [lamport clearing]
-    # Call c uses area k = c mod 3: every rank pushes its rows into area k of every rank, reads its
-    # own area k until no word is the sentinel, and meanwhile refills with the sentinel its own area
-    # (k + 2) mod 3 = the area of call c - 1, over the N * M_{c-1} * H_{c-1} elements call c - 1
-    # wrote (the state records M * H / 8 vectors per slot, not rows: H may change between calls).
-    # (1) Nothing writes that area any more: every word of it that call c - 1 wrote was seen non-
-    #     sentinel by this rank's kernel c - 1 (each valid row is polled over all N slots and all
-    #     vectors by exactly one CTA), so all those stores had landed before kernel c began.
-    # (2) It is completely refilled before any peer writes it again: the next writes into it are
-    #     call c + 2's. A peer in call c + 2 has finished call c + 1, which needed our call-(c + 1)
-    #     rows, which we push only in kernel c + 1, i.e. after kernel c (and its refill) ended.
-    # (3) Likewise area k itself (call c - 3's area, refilled during call c - 2) is all sentinel
-    #     before any call-c write lands in it: a peer writing call-c rows has finished call c - 1,
-    #     which needed our call-(c - 1) rows, pushed in kernel c - 1, after kernel c - 2 ended.
-    # So a peer is at most one call ahead of us (it cannot finish call c + 1 before reading our
-    # call-(c + 1) rows): while we run call c, peers write only areas c and c + 1 of ours, never
-    # c + 2 = c - 1, the one being refilled. Requirements: kernels of one rank run in stream order
-    # (one stream per workspace; with programmatic dependent launch the kernel waits for its
-    # predecessor before its first memory access, NOTE [programmatic dependent launch]) and a call
-    # never writes more than one area (max_chunk_rows("lamport")). oneshot / twoshot do not touch the lamport areas.
-    @cute.jit
-    def _lamport(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
-                 rank: Int32, eps: Float32, timeout: Int64, rows: Int32, groups: Int32):
-        t = self.t
-        world = self.world
-        dtype = mX.element_type
-        tidx, bidx, nblk, row_in_cta, lane = self._indices()
-        m = mX.shape[0]
-        hidden = Int64(t.hidden)
-        elem_bytes = Int64(dtype.width // 8)
-        slot_bytes = Int64(m) * hidden * elem_bytes  # one slot: this call's M rows of T
-        nv = t.vecs_per_thread
-
-        bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
-                                                                         lane)
-        rAll = cute.make_rmem_tensor(cute.make_layout(world * nv * 4), Int32)  # N slots' words
-        rAll.fill(0)
-        rTw = cute.recast_tensor(rT, Int32)
-        rAllT = cute.recast_tensor(rAll, dtype)
-
-        # the first row's load is issued before the state loads (their inline asm orders memory
-        # accesses): at one row per CTA the two latencies overlap instead of adding up
-        row0 = bidx * t.rows_per_cta + row_in_cta
-        if row0 < m:
-            self.core.load_row(rT, cute.zipped_divide(mX[row0, None], (VEC,)), lane)
-
-        # call state (NOTE [lamport call state])
-        state = mSig[rank] + Int64(region_word(REGION_LAMPORT) * 4)
-        area_addr = state + Int64(LAMPORT_W_AREA * 4)
-        arrive_addr = state + Int64(LAMPORT_W_ARRIVE * 4)
-        rows_addr = state + Int64(LAMPORT_W_VECS * 4)
-        k = ld_volatile_sys_u32(area_addr)
-        kw = k * Int32(world)
-
-        # phase 1: push my rows (sanitized, NOTE [lamport sentinel]) into area k, slot `rank`, of
-        # every other rank with 128-bit volatile stores. My own slot is never written (it stays
-        # sentinel): phase 2 takes my rows from x.
-        for g in range(bidx, groups, nblk):
-            row = g * t.rows_per_cta + row_in_cta
-            if row < m:
-                if g != bidx:  # the first row is already loaded
-                    self.core.load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
-                for i in cutlass.range_constexpr(nv * 4):
-                    rTw[i] = sanitize_word(rTw[i])
-                off = slot_bytes * Int64(rank) + Int64(row) * hidden * elem_bytes
-                for s in cutlass.range_constexpr(world):
-                    if Int32(s) != rank:
-                        dst = mBuf[kw + Int32(s)] + off
-                        for j in cutlass.range_constexpr(nv):
-                            v = lane + j * t.row_threads
-                            if const_expr(t.exact) or v < t.vecs:
-                                st_volatile_sys_v4_u32(dst + Int64(v) * Int64(16), rTw[4 * j],
-                                                       rTw[4 * j + 1], rTw[4 * j + 2],
-                                                       rTw[4 * j + 3])
-
-        # arrive after the pushes are issued, so the atomic is off their critical path
-        cute.arch.barrier()  # every thread of this CTA has read k
-        if tidx == 0:
-            old = atom_add_acq_rel_gpu_u32(arrive_addr, Int32(1))
-            if old == Int32(nblk) - Int32(1):  # the last CTA of this launch
-                nxt = k + Int32(1)
-                if nxt >= Int32(3):
-                    nxt = Int32(0)
-                st_volatile_u32(arrive_addr, Int32(0))
-                st_volatile_u32(rows_addr + Int64(k) * Int64(4), m * Int32(t.hidden // VEC))
-                st_volatile_u32(area_addr, nxt)
-
-        # refill the peers' slots of my area of the previous call with the sentinel (NOTE [lamport
-        # clearing]); 16-byte vectors, grid-stride over the whole launch. vecs_prev: the previous
-        # call's vectors per slot (its M and H may differ from ours)
-        prev = k + Int32(2)
-        if prev >= Int32(3):
-            prev = prev - Int32(3)
-        vecs_prev = ld_volatile_sys_u32(rows_addr + Int64(prev) * Int64(4))
-        clear_base = mBuf[prev * Int32(world) + rank]
-        sent = Int32(LAMPORT_SENTINEL_I32)
-        for s in cutlass.range_constexpr(world):
-            if Int32(s) != rank:
-                slot_base = clear_base + Int64(s) * Int64(vecs_prev) * Int64(16)
-                for i in range(bidx * Int32(t.threads) + tidx, vecs_prev, nblk * Int32(t.threads)):
-                    st_volatile_sys_v4_u32(slot_base + Int64(i) * Int64(16), sent, sent, sent, sent)
-
-        # phase 2: poll my area k until every word of the other slots of my rows arrived, ordered
-        # float32 sum (my slot read from x), residual add, epilogue
-        base = mBuf[kw + rank]
-        err_addr = mErr.iterator.toint()
-        dev_err_addr = mSig[rank] + Int64(DEVICE_ERROR_WORD * 4)
-        for g in range(bidx, groups, nblk):
-            row = g * t.rows_per_cta + row_in_cta
-            row_valid = row < m
-            rH.fill(0.0)
-            if row_valid:
-                if const_expr(self.has_residual):  # issued before the polls: off the critical path
-                    self.core.load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
-                row_off = base + Int64(row) * hidden * elem_bytes
-                own = self._row_addr(mX, row)
-                pending = Int32(1)
-                missing = Int32(0)
-                spins = Int32(0)
-                t0 = globaltimer_ns()
-                while pending != Int32(0):
-                    pending = Int32(0)
-                    for s in cutlass.range_constexpr(world):
-                        src = row_off + slot_bytes * Int64(s)
-                        peer = Int32(1)
-                        if Int32(s) == rank:  # x itself: any bits, never waited for
-                            src = own
-                            peer = Int32(0)
-                        pend_s = Int32(0)
-                        for j in cutlass.range_constexpr(nv):
-                            v = lane + j * t.row_threads
-                            if const_expr(t.exact) or v < t.vecs:
-                                a, b, c, d = ld_volatile_sys_v4_u32(src + Int64(v) * Int64(16))
-                                w0 = (s * nv + j) * 4
-                                rAll[w0] = a
-                                rAll[w0 + 1] = b
-                                rAll[w0 + 2] = c
-                                rAll[w0 + 3] = d
-                                pend_s = pend_s | Int32(a == Int32(-1)) | Int32(b == Int32(-1))
-                                pend_s = pend_s | Int32(c == Int32(-1)) | Int32(d == Int32(-1))
-                        pend_s = pend_s & peer
-                        if pend_s != Int32(0):
-                            missing = Int32(s)
-                        pending = pending | pend_s
-                    if pending != Int32(0):
-                        spins = spins + Int32(1)
-                        if (spins & Int32(SPIN_CHECK_MASK)) == Int32(0):
-                            if ld_volatile_sys_u32(dev_err_addr) != Int32(0):
-                                pending = Int32(0)  # someone already timed out: stop too
-                            else:
-                                if globaltimer_ns() - t0 > timeout:
-                                    record_timeout(err_addr, dev_err_addr, missing, k)
-                                    pending = Int32(0)
-                rH.store(cute.make_tensor(rAllT.iterator, cute.make_layout(nv * VEC)).load()
-                         .to(Float32))
-                for s in cutlass.range_constexpr(1, world):
-                    part = cute.make_tensor(rAllT.iterator + s * nv * VEC, cute.make_layout(nv * VEC))
-                    rH.store(rH.load() + part.load().to(Float32))
-                self._finish_row(rH, rR, mAR, mRout, row, lane, dtype)
-            self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW,
-                               mY, mQ, mS, static_inv, global_scale, bufs, rW)
-            cute.arch.barrier()  # the next group's reductions reuse the shared-memory partials
-        # no closing barrier: the three rotating areas make the next call safe (NOTE above)
+        self._barrier(mSig, rank, bidx, timeout, mErr, sig)

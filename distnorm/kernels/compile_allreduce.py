@@ -52,7 +52,7 @@ def compiled_allreduce(algo: str, world: int, dtype: str, hidden: int, quant: Qu
     cdtype = CUTE_DTYPES[dtype]
     tiling = allreduce_tiling(hidden, quant, rows_per_cta)
     kernel = AllReduceAddRMSNormQuant(algo, world, tiling, quant, has_residual, gemma, write_y,
-                                      write_allreduce, pdl)
+                                      write_allreduce, pdl, dtype)
     m = compat.sym_int(32)
     x, res, res_out, w, y, q, s, scale, gs = fake_norm_quant_args(cdtype, hidden, quant, has_residual,
                                                                   write_y, m)

@@ -16,6 +16,8 @@ one is a device function taking 64-bit generic/global addresses as ``Int64``):
     globaltimer_ns() -> Int64                  mov.u64 %globaltimer (ns; ~1 us granularity)
     ld_volatile_sys_v4_u32(addr) -> 4 x Int32  ld.volatile.global.v4.u32 (16-byte aligned)
     st_volatile_sys_v4_u32(addr, a, b, c, d)   st.volatile.global.v4.u32 (16-byte aligned)
+    ld_acquire_sys_u32x2(addr) -> 2 x Int32    ld.acquire.sys.global.u64 split into (lo, hi)
+    st_release_sys_u32x2(addr, lo, hi)         st.release.sys.global.u64 of (lo, hi)
 
 Ordered ones carry a ``memory`` clobber so LLVM never moves plain loads/stores across them.
 
@@ -35,14 +37,16 @@ from cutlass import Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from distnorm.collectives.layout import DEVICE_ERROR_WORD, ERROR_TIMEOUT, MAX_CTAS, MAX_WORLD
+from distnorm.collectives.layout import (DEVICE_ERROR_WORD, ERROR_MISMATCH, ERROR_TIMEOUT,
+                                         FLAG_WORDS, MAX_CTAS, MAX_WORLD)
 from distnorm.kernels.ptx import inline_asm, ir_i32, ir_i64
 
 __all__ = [
     "ld_acquire_sys_u32", "ld_relaxed_sys_u32", "ld_volatile_sys_u32", "st_release_sys_u32",
     "st_relaxed_sys_u32", "st_volatile_u32", "atomic_cas_sys_u32", "atomic_add_gpu_u32",
     "atom_add_acq_rel_gpu_u32", "fence_acq_rel_sys", "globaltimer_ns", "ld_volatile_sys_v4_u32",
-    "st_volatile_sys_v4_u32", "cta_barrier", "record_timeout", "SPIN_CHECK_MASK",
+    "st_volatile_sys_v4_u32", "ld_acquire_sys_u32x2", "st_release_sys_u32x2", "cta_barrier",
+    "record_timeout", "record_mismatch", "SPIN_CHECK_MASK",
 ]
 
 SPIN_CHECK_MASK = 255  # spinning threads look at %globaltimer and the device error word every 256 polls
@@ -121,20 +125,54 @@ def st_volatile_sys_v4_u32(addr, a, b, c, d, *, loc=None, ip=None) -> None:
          "st.volatile.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}")
 
 
+@dsl_user_op
+def ld_acquire_sys_u32x2(addr, *, loc=None, ip=None):
+    """64-bit acquire load (8-byte aligned; single-copy atomic) returned as (low, high) Int32."""
+    st = llvm.StructType.get_literal([T.i32(), T.i32()])
+    res = _asm(st, [ir_i64(addr, loc, ip)],
+               "{ .reg .b64 t; ld.acquire.sys.global.u64 t, [$2]; mov.b64 {$0, $1}, t; }",
+               "=r,=r,l,~{memory}")
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def st_release_sys_u32x2(addr, lo, hi, *, loc=None, ip=None) -> None:
+    """64-bit release store of (lo, hi) (8-byte aligned; single-copy atomic)."""
+    _asm(None, [ir_i64(addr, loc, ip), ir_i32(lo, loc, ip), ir_i32(hi, loc, ip)],
+         "{ .reg .b64 t; mov.b64 t, {$1, $2}; st.release.sys.global.u64 [$0], t; }",
+         "l,r,r,~{memory}")
+
+
 # --- the barrier ------------------------------------------------------------------------------
 @cute.jit
-def record_timeout(err_addr: Int64, dev_err_addr: Int64, peer: Int32, epoch: Int32):
-    """A waiting thread gives up: the first one records (timeout, peer, epoch) in the pinned error
-    words the host reads; every one sets the device error word the other waiters poll."""
-    if atomic_cas_sys_u32(err_addr, Int32(0), Int32(ERROR_TIMEOUT)) == Int32(0):
+def _record_error(err_addr: Int64, dev_err_addr: Int64, code: cutlass.Constexpr[int], peer: Int32,
+                  detail: Int32, value: Int32):
+    """The first thread to fail records (code, peer, detail, value) in the pinned error words the
+    host reads; every one sets the device error word the other waiters poll."""
+    if atomic_cas_sys_u32(err_addr, Int32(0), Int32(code)) == Int32(0):
         st_volatile_u32(err_addr + Int64(4), peer)
-        st_volatile_u32(err_addr + Int64(8), epoch)
-    st_volatile_u32(dev_err_addr, Int32(ERROR_TIMEOUT))
+        st_volatile_u32(err_addr + Int64(8), detail)
+        st_volatile_u32(err_addr + Int64(12), value)
+    st_volatile_u32(dev_err_addr, Int32(code))
+
+
+@cute.jit
+def record_timeout(err_addr: Int64, dev_err_addr: Int64, peer: Int32, epoch: Int32):
+    """A waiting thread gives up on `peer` (layout: ERR_EPOCH = epoch / lamport area)."""
+    _record_error(err_addr, dev_err_addr, ERROR_TIMEOUT, peer, epoch, Int32(0))
+
+
+@cute.jit
+def record_mismatch(err_addr: Int64, dev_err_addr: Int64, peer: Int32, word: Int32, value: Int32):
+    """`peer` launched with another call descriptor: descriptor word `word` (-1: the signature)
+    is `value` there (collectives/signature.py)."""
+    _record_error(err_addr, dev_err_addr, ERROR_MISMATCH, peer, word, value)
 
 
 @cute.jit
 def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[int],
-                region_word: cutlass.Constexpr[int], block: Int32, timeout: Int64, err: cute.Tensor):
+                region_word: cutlass.Constexpr[int], block: Int32, timeout: Int64, err: cute.Tensor,
+                signature: Int32 = 0):
     """Barrier between the CTAs with index ``block`` on every rank; all threads of the CTA call it.
 
     signal_ptrs: Int64 [world] device tensor of every rank's signal-pad base address (peer mapped).
@@ -143,12 +181,17 @@ def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[
     block: the CTA index (< MAX_CTAS); the same index on every rank meets here.
     timeout: give up after this many ns without a peer's flag (``Tuning.timeout_ns`` on the host).
     err: Int32 [4] error words (``Workspace.error_flag``, pinned host memory, viewed from the GPU):
-         on timeout [0] = 1 (timeout), [1] = the peer waited on, [2] = the epoch; first writer wins.
+         on timeout [0] = 1 (timeout), [1] = the peer waited on, [2] = the epoch; on a signature
+         mismatch [0] = 2, [1] = the peer, [2] = -1, [3] = its signature; first writer wins.
+    signature: 32-bit call signature (collectives/signature.py); every rank must pass the same.
 
     Algorithm: thread t < world reads epoch = epochs[block] + 1 (relaxed load: only this CTA
-    writes it); bar.sync; thread t stores epoch with st.release.sys into rank t's
-    flags[block][rank], polls its own flags[block][t] with ld.acquire.sys until
-    (int32)(v - epoch) >= 0, and writes epoch back to epochs[block]; bar.sync.
+    writes it); bar.sync; thread t stores the 64-bit flag (epoch, signature) with st.release.sys
+    into rank t's flags[block][rank], polls its own flags[block][t] with ld.acquire.sys until
+    (int32)(v.epoch - epoch) >= 0, records a mismatch if v.signature differs from its own (the
+    flag of the same call: a peer cannot reach the next call's barriers before our last one), and
+    writes epoch back to epochs[block]; bar.sync. The signature costs no memory access: it rides
+    in the flag's upper half.
 
     Memory-ordering guarantees:
     - Every write made before the barrier by any thread of this CTA (to local or peer memory) is
@@ -179,7 +222,7 @@ def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[
     """
     tidx, _, _ = cute.arch.thread_idx()
     epochs_word = Int64(region_word) + Int64(block)
-    flags_word = Int64(region_word + MAX_CTAS) + Int64(block) * Int64(MAX_WORLD)
+    flags_word = Int64(region_word + MAX_CTAS) + Int64(block) * Int64(MAX_WORLD * FLAG_WORDS)
     # Address and epoch loads are issued before the first bar.sync so their latency overlaps it.
     # Each waiting thread writes the new epoch back itself (all write the same value) and reads it
     # again only in program order after its own write, so no extra CTA barrier is needed for it.
@@ -192,18 +235,19 @@ def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[
         epoch = ld_relaxed_sys_u32(epoch_addr) + Int32(1)
     cute.arch.barrier()  # every thread's earlier writes are done (ordered before the release below)
     if tidx < world:
-        st_release_sys_u32(peer_base + (flags_word + Int64(rank)) * Int64(4), epoch)
-        flag_addr = local_base + (flags_word + Int64(tidx)) * Int64(4)
+        st_release_sys_u32x2(peer_base + (flags_word + Int64(rank * FLAG_WORDS)) * Int64(4), epoch,
+                             Int32(signature))
+        flag_addr = local_base + (flags_word + Int64(tidx * FLAG_WORDS)) * Int64(4)
         err_addr = err.iterator.toint()
         dev_err_addr = local_base + Int64(DEVICE_ERROR_WORD * 4)
-        v = ld_acquire_sys_u32(flag_addr)
+        v, peer_sig = ld_acquire_sys_u32x2(flag_addr)
         waiting = Int32(0)  # Int32 flag, not bool: loop-carried values keep one DSL type
         if (v - epoch) < Int32(0):
             waiting = Int32(1)
         spins = Int32(0)
         t0 = globaltimer_ns()
         while waiting != Int32(0):
-            v = ld_acquire_sys_u32(flag_addr)
+            v, peer_sig = ld_acquire_sys_u32x2(flag_addr)
             if (v - epoch) >= Int32(0):
                 waiting = Int32(0)
             spins = spins + Int32(1)
@@ -215,5 +259,8 @@ def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[
                         if globaltimer_ns() - t0 > timeout:
                             record_timeout(err_addr, dev_err_addr, tidx, epoch)
                             waiting = Int32(0)
+        if (v - epoch) >= Int32(0):
+            if peer_sig != Int32(signature):
+                record_mismatch(err_addr, dev_err_addr, tidx, Int32(-1), peer_sig)
         st_relaxed_sys_u32(epoch_addr, epoch)
     cute.arch.barrier()

@@ -1,0 +1,117 @@
+"""The call descriptor: what every rank of one all-reduce launch must agree on, in four int32 words
+the kernels exchange (layout.CALL_W_*), and the 32-bit signature the barrier flags carry.
+
+    word 0  rows of this launch (M of the launch: a chunk of the call's rows)
+    word 1  H
+    word 2  algorithm | dtype << 4 | residual << 5 | norm output << 6 | all-reduce output << 7 |
+            gemma << 8 | world size << 12
+    word 3  the quantization format (QuantSpec): kind | group size << 4 | swizzled << 12 |
+            column-major << 13 | ue8m0 << 14
+
+Words 1-3 are compile-time constants of a kernel, word 0 is its run-time M. The barrier algorithms
+compare the signature ``(rows * SIGNATURE_MULTIPLIER) ^ constant`` (32-bit) that rides in every
+barrier flag; lamport compares all four words, pushed beside the rows. On a mismatch the host reads
+every rank's last descriptor (layout.CALL_W_LAST) and names the fields that differ.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, fields
+from typing import Optional, Sequence
+
+from distnorm.formats import FORMATS, QuantSpec, kernel_spec
+
+__all__ = ["CallDescriptor", "SIGNATURE_MULTIPLIER", "signature"]
+
+SIGNATURE_MULTIPLIER = 0x2545F491  # odd: rows -> rows * K is a bijection mod 2^32
+_DTYPES = ("bfloat16", "float16")
+_KINDS = tuple(FORMATS)
+
+
+def _algos() -> tuple:
+    from distnorm.collectives.plan import ALGORITHMS
+    return tuple(ALGORITHMS)
+
+
+@dataclass(frozen=True)
+class CallDescriptor:
+    """One launch as the kernels describe it (see the module docstring)."""
+
+    rows: int
+    hidden: int
+    algo: str
+    dtype: str
+    quant: QuantSpec
+    residual: bool
+    norm_out: bool
+    allreduce_out: bool
+    gemma: bool
+    world: int
+
+    def words(self) -> tuple[int, int, int, int]:
+        flags = (_algos().index(self.algo) | _DTYPES.index(self.dtype) << 4 | self.residual << 5
+                 | self.norm_out << 6 | self.allreduce_out << 7 | self.gemma << 8 | self.world << 12)
+        q = kernel_spec(self.quant)
+        qword = (_KINDS.index(q.kind) | q.group_size << 4 | q.swizzled << 12 | q.col_major << 13
+                 | q.scale_ue8m0 << 14)
+        return self.rows, self.hidden, flags, qword
+
+    @classmethod
+    def from_words(cls, words: Sequence[int]) -> Optional["CallDescriptor"]:
+        """The descriptor the words hold, or None when they hold none (zeros, sentinel, garbage)."""
+        rows, hidden, flags, qword = (int(w) & 0xFFFFFFFF for w in words)
+        algos = _algos()
+        try:
+            kind = _KINDS[qword & 0xF]
+            group = (qword >> 4) & 0xFF
+            quant = QuantSpec(kind, group, "swizzled" if qword >> 12 & 1 else "linear",
+                              "col" if qword >> 13 & 1 else "row", bool(qword >> 14 & 1))
+            return cls(rows, hidden, algos[flags & 0xF], _DTYPES[flags >> 4 & 1],
+                       quant, bool(flags >> 5 & 1), bool(flags >> 6 & 1), bool(flags >> 7 & 1),
+                       bool(flags >> 8 & 1), flags >> 12 & 0xFF)
+        except IndexError:
+            return None
+
+    def signature(self) -> int:
+        return signature(self.rows, signature_constant(self.words()))
+
+    def differences(self, other: "CallDescriptor") -> list[str]:
+        """'field: mine vs theirs' for every field that differs."""
+        out = []
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if a != b:
+                if f.name == "quant":
+                    a, b = _quant_name(a), _quant_name(b)
+                out.append(f"{f.name}: {a} vs {b}")
+        return out
+
+    def __str__(self) -> str:
+        outs = [n for n in ("residual", "norm_out", "allreduce_out", "gemma") if getattr(self, n)]
+        return (f"M={self.rows} H={self.hidden} {self.dtype} {_quant_name(self.quant)} "
+                f"algo={self.algo} world={self.world}" + (f" [{', '.join(outs)}]" if outs else ""))
+
+
+def _quant_name(q: QuantSpec) -> str:
+    if q.kind == "none":
+        return "quant=None"
+    extra = [f"group_size={q.group_size}"] if q.grouped else []
+    if q.block_scaled:
+        extra.append(q.sf_layout)
+    if q.col_major:
+        extra.append("col-major")
+    if q.scale_ue8m0:
+        extra.append("ue8m0")
+    return q.kind + (f"({', '.join(extra)})" if extra else "")
+
+
+def signature_constant(words: Sequence[int]) -> int:
+    """The compile-time half of the signature: a 32-bit hash of words 1-3 (as a signed int32)."""
+    c = zlib.crc32(b"".join(int(w).to_bytes(4, "little", signed=False) for w in words[1:]))
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def signature(rows: int, constant: int) -> int:
+    """(rows * SIGNATURE_MULTIPLIER) ^ constant as a signed int32, as the kernels compute it."""
+    v = ((rows * SIGNATURE_MULTIPLIER) & 0xFFFFFFFF) ^ (constant & 0xFFFFFFFF)
+    return v - (1 << 32) if v >= 1 << 31 else v

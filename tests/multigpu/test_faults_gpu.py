@@ -1,0 +1,195 @@
+"""Faults end in errors (distnorm/collectives/faults.py): a rank that exits (or stops calling) before
+its first call or between calls, ranks that disagree on M / H / format, recovery with
+distnorm.collectives.reset and 1,000 good calls after it. Every error's arrival time is printed
+(`-s` shows it): the closing notes quote them.
+
+Kernel waits give up after 2 s and host waits after 3 s here (a Tuning set on the workspace).
+Self-spawned, an exiting rank really exits (its process ends); under torchrun / mpirun it stops
+calling until the others have failed (a launcher ends the job when a rank exits).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+from harness import MULTIGPU_MARKS, gathered_check
+from distnorm.launch import in_multiprocess_launch, run_distributed
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = MULTIGPU_MARKS
+TIMEOUT_S = 400
+KERNEL_TIMEOUT_S, HOST_TIMEOUT_S = 2.0, 3.0
+ALGOS = ("oneshot", "twoshot", "lamport")
+
+
+def _workspace():
+    from distnorm.collectives.plan import Tuning
+    from distnorm.collectives.state import AllReduceState
+    from distnorm.comm import Workspace
+
+    ws = Workspace(buffer_bytes=16 << 20)
+    assert ws.p2p_ok, ws.fallback_reason
+    tuning = Tuning(timeout_s=KERNEL_TIMEOUT_S, host_timeout_s=HOST_TIMEOUT_S)
+    ws.op_state("allreduce", lambda: AllReduceState(tuning))
+    return ws
+
+
+def _inputs(M, H, rank, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed * 7919 + 1000003 * (rank + 1))
+    x = (torch.randn(M, H, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    g.manual_seed(seed * 7919)
+    res = torch.randn(M, H, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.rand(H, generator=g, device="cuda") + 0.5).to(torch.bfloat16)
+    return x, res, w
+
+
+def _call(ws, algo, M=128, H=4096, quant="fp8_per_token", seed=0):
+    from distnorm.collectives import allreduce_add_rmsnorm
+    x, res, w = _inputs(M, H, ws.rank, seed)
+    kw = {"global_scale": torch.tensor([100.0], device="cuda")} if quant == "nvfp4" else {}
+    return x, res, w, allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, algo=algo, quant=quant,
+                                            **kw)
+
+
+def _good_calls(ws, n: int) -> None:
+    """n calls cycling through the algorithms and three sizes; every 100th checked against the
+    reference (residual bitwise), and no error recorded at the end."""
+    import torch.distributed as dist
+    from distnorm.collectives import check
+    from distnorm.reference import allreduce_add_rmsnorm_ref
+
+    for i in range(n):
+        M = (1, 37, 600)[i % 3]
+        x, res, w, out = _call(ws, ALGOS[i % 3], M=M, seed=i)
+        if i % 100 == 99:
+            parts = [torch.empty_like(x) for _ in range(ws.world_size)]
+            dist.all_gather(parts, x)
+            ref = allreduce_add_rmsnorm_ref(parts, res, w, 1e-6, quant="fp8_per_token")
+            assert torch.equal(out.residual.view(torch.int16), ref.residual.view(torch.int16)), i
+    torch.cuda.synchronize()
+    check(ws)
+
+
+def _checked():
+    import distnorm
+    return distnorm.set_value_checks(True)
+
+
+def _body_rank_leaves(when: str, algo: str, exits: bool) -> None:
+    """Rank 1 leaves before its first call or between calls (exits: its process ends; else it stops
+    calling); rank 0's next call raises CommTimeoutError (checked mode: that call itself). When
+    rank 1 only stopped, both then reset and make 1,000 good calls."""
+    import distnorm
+    from distnorm.collectives import reset
+    from distnorm.comm import CommTimeoutError, resolve_bootstrap
+
+    boot = resolve_bootstrap(None)
+    previous = _checked()
+    ws = _workspace()
+    try:
+        if when == "between_calls":
+            for i in range(20):
+                _call(ws, algo, seed=i)
+            torch.cuda.synchronize()
+        if ws.rank == 1:
+            if exits:
+                return  # its process ends (self-spawned ranks exit after the body)
+            boot.barrier()  # stops calling until rank 0 has failed
+        else:
+            t0 = time.monotonic()
+            with pytest.raises(CommTimeoutError) as e:
+                _call(ws, algo, seed=99)
+            took = time.monotonic() - t0
+            print(f"\n[fault] rank 1 left {when}, {algo}: CommTimeoutError after {took:.2f} s: "
+                  f"{str(e.value)[:200]}", flush=True)
+            limit = HOST_TIMEOUT_S if algo == "lamport" and when == "before_first_call" else KERNEL_TIMEOUT_S
+            assert took < limit + 3.0, took
+            if exits:
+                return
+            boot.barrier()
+        reset(ws)
+        _good_calls(ws, 1000)
+    finally:
+        distnorm.set_value_checks(previous)
+        if not (exits and ws.rank == 1):  # a leaving rank does not close: it just goes
+            ws.close()
+
+
+MISMATCHES = {  # field -> (rank 0's call, rank 1's call)
+    "rows": (dict(M=128), dict(M=64)),
+    "hidden": (dict(H=4096), dict(H=8192)),
+    "quant": (dict(quant="fp8_per_token"), dict(quant="nvfp4")),
+}
+
+
+def _body_mismatch() -> None:
+    """Ranks disagree on M / H / format under every algorithm: in checked mode both ranks' calls
+    raise CommMismatchError naming the field; reset; then the default (unchecked) contract: the call
+    returns, check() after a synchronize raises, the next call raises before launching; reset;
+    1,000 good calls."""
+    import distnorm
+    from distnorm.collectives import check, reset
+    from distnorm.comm import CommMismatchError, resolve_bootstrap
+
+    boot = resolve_bootstrap(None)
+    previous = _checked()
+    ws = _workspace()
+    try:
+        for algo in ALGOS:
+            _call(ws, algo)  # a first good call (lamport: prepares its buffers)
+        torch.cuda.synchronize()
+
+        def one(field, algo):
+            kw = MISMATCHES[field][ws.rank]
+            t0 = time.monotonic()
+            with pytest.raises(CommMismatchError) as e:
+                _call(ws, algo, **kw)
+            took = time.monotonic() - t0
+            print(f"\n[fault] rank {ws.rank}: {field} differs, {algo}: CommMismatchError after "
+                  f"{took:.3f} s: {e.value.differences}", flush=True)
+            assert any(d.startswith(field) for d in e.value.differences), str(e.value)
+            assert took < KERNEL_TIMEOUT_S, took
+            boot.barrier()
+            reset(ws)
+            _call(ws, algo)
+            torch.cuda.synchronize()
+            check(ws)
+
+        for field in MISMATCHES:
+            for algo in ALGOS:
+                gathered_check(boot, one, field, algo)
+
+        distnorm.set_value_checks(False)
+
+        def unchecked():
+            _call(ws, "oneshot", **MISMATCHES["rows"][ws.rank])  # returns: nothing waited for
+            torch.cuda.synchronize()
+            with pytest.raises(CommMismatchError):
+                check(ws)
+            with pytest.raises(CommMismatchError):
+                _call(ws, "lamport")  # raises before launching anything
+            boot.barrier()
+            reset(ws)
+        gathered_check(boot, unchecked)
+        gathered_check(boot, _good_calls, ws, 1000)
+    finally:
+        distnorm.set_value_checks(previous)
+        ws.close()
+
+
+@pytest.mark.parametrize("when, algo", [("before_first_call", "lamport"),
+                                        ("before_first_call", "oneshot"),
+                                        ("between_calls", "twoshot")])
+def test_rank_that_leaves(when, algo):
+    # self-spawned ranks are ours to end (fresh processes, not the shared pool); a launcher's are not
+    exits = not in_multiprocess_launch()
+    run_distributed(_body_rank_leaves, when, algo, exits, timeout_s=TIMEOUT_S, reuse=not exits)
+
+
+def test_mismatched_calls_then_recovery():
+    run_distributed(_body_mismatch, timeout_s=TIMEOUT_S)

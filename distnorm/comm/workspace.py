@@ -83,6 +83,13 @@ def _boot_id() -> str:
         return ""
 
 
+def _is_cpu(device: Any) -> bool:
+    import torch
+
+    return isinstance(device, (str, torch.device)) and not isinstance(device, bool) and \
+        torch.device(device).type == "cpu"
+
+
 def _resolve_device(device: Any) -> int:
     import torch
 
@@ -145,7 +152,9 @@ class Workspace:
     group: None, a torch.distributed ProcessGroup, an mpi4py communicator, or a Bootstrap.
     buffer_bytes / signal_bytes: per-rank sizes of the data region and the signal pad.
     backend: "auto", "vmm", "torch_symm" or "nvshmem"; an explicit backend that fails raises.
-    device: the local CUDA device (default: current).
+    device: the local CUDA device (default: current), or "cpu": a workspace without peer memory
+      whose ops run through torch.distributed (e.g. gloo) and the reference, for CPU tests of code
+      that uses distnorm (slow; results as on the GPU up to the reference's rounding).
     timeout_s: how long to wait for peers while exchanging handles.
     """
 
@@ -166,6 +175,9 @@ class Workspace:
         apply_no_multicast_env()
         import torch
 
+        if _is_cpu(device):
+            self._open_cpu(group)
+            return
         if not torch.cuda.is_available():
             raise RuntimeError("distnorm.comm.Workspace needs a CUDA device, but torch sees none "
                                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); "
@@ -202,6 +214,21 @@ class Workspace:
                 except BaseException:
                     self._impl.close()
                     raise
+        self._closed = False
+
+    def _open_cpu(self, group: Any) -> None:
+        import torch
+
+        self._torch = torch
+        self._boot = resolve_bootstrap(group)
+        self.group = self._boot.group
+        self.rank, self.world_size = self._boot.rank, self._boot.world_size
+        self.device_index, self.device = -1, torch.device("cpu")
+        self.backend, self.single_node = "none", True
+        self.fallback_reason = "CPU workspace: torch.distributed and the reference"
+        self.buffer_ptrs_host, self.signal_ptrs_host = [], []
+        self.buffer_ptrs = self.signal_ptrs = None
+        self.error_flag = torch.zeros(ERROR_WORDS, dtype=torch.int32)
         self._closed = False
 
     def _open_backend(self, backend: str, boot: Bootstrap, timeout_s: float) -> tuple[Any, str | None]:

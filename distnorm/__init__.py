@@ -4,6 +4,7 @@ from .collectives import allreduce, allreduce_add_rmsnorm
 from .comm import Workspace
 from .args import set_value_checks
 from .ops import add_rmsnorm
+from . import tp  # noqa: E402 (tensor-parallel modules; distnorm.fusion is imported on demand)
 
 __all__ = ["NormQuantOutput", "QuantSpec", "Workspace", "add_rmsnorm", "allreduce", "allreduce_add_rmsnorm",
            "make_quant_spec", "set_value_checks"]

@@ -35,6 +35,7 @@ __all__ = ["allreduce_add_rmsnorm", "allreduce", "reset", "check"]
 _BY_HANDLE: "weakref.WeakValueDictionary[int, Workspace]" = weakref.WeakValueDictionary()
 
 
+@torch.compiler.assume_constant_result  # run at trace time: the graph holds the int
 def _handle(ws: Workspace) -> int:
     h = state_of(ws).handle
     _BY_HANDLE[h] = ws

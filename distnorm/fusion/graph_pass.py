@@ -72,7 +72,12 @@ class AllReduceFusionPass(CustomGraphPass):
         return None
 
     def __call__(self, graph: fx.Graph) -> None:
-        for site in find_sites(graph):
+        seen: set = set()
+        while True:  # one site at a time: a rewrite replaces nodes the next site may read
+            site = next((s for s in find_sites(graph) if s.all_reduce not in seen), None)
+            if site is None:
+                break
+            seen.add(site.all_reduce)
             reason = self._why_not(site) or _order_problem(graph, site)
             if reason:
                 self.skipped.append(f"{site.describe()}: {reason}")

@@ -1,0 +1,113 @@
+"""distnorm.tp and the TP example (examples/tp_llama.py) on the CPU: two gloo ranks, a CPU
+workspace. The example's three forms (plain torch, distnorm.tp modules, torch compiled with the
+fusion pass) must agree after two layers within a stated bound, and the pass must fuse exactly two
+sites per layer. The GPU run of the same comparison: tests/multigpu/test_tp_gpu.py."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from distnorm.launch import spawn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "examples"))
+
+# relative error of the final residual against plain torch after 2 layers (tiny model): bf16
+# rounding of a differently ordered sum, FP8 rounding of y in float32 instead of bf16
+BOUNDS = {False: 2e-2, True: 6e-2}
+
+
+def _body_example(fp8: bool, decode: bool) -> None:
+    from dataclasses import replace
+
+    import distnorm
+    import torch.distributed as dist
+    from tp_llama import MODELS, Config, compare_forms
+
+    ws = distnorm.Workspace(dist.group.WORLD, device="cpu")
+    cfg = replace(Config(**MODELS["tiny"]), fp8=fp8)
+    got = compare_forms(cfg, 2, 4 if decode else 16, decode, ws, torch.device("cpu"))
+    ws.close()
+    assert len(got["sites"]) == 4 and not got["skipped"], got
+    assert got["rel_distnorm"] < BOUNDS[fp8] and got["rel_pass"] < BOUNDS[fp8], got
+
+
+@pytest.mark.parametrize("fp8, decode", [(False, True), (True, False)])
+def test_tp_example_forms_agree(fp8, decode):
+    spawn(_body_example, 2, fp8, decode, timeout_s=900, cpu_only=True)
+
+
+def _body_modules() -> None:
+    import torch.distributed as dist
+
+    import distnorm
+    from distnorm.reference import allreduce_add_rmsnorm_ref
+    from distnorm.tp import AllReduceAddRMSNorm, RowParallelLinear
+
+    ws = distnorm.Workspace(dist.group.WORLD, device="cpu")
+    H, K = 256, 64
+    torch.manual_seed(dist.get_rank())
+    x = torch.randn(3, 5, K).to(torch.bfloat16)
+    torch.manual_seed(0)
+    residual = torch.randn(3, 5, H).to(torch.bfloat16)
+    for quant, scale in ((None, None), ("fp8", 0.05), ("fp8_per_token", None)):
+        norm = AllReduceAddRMSNorm(H, ws, 1e-6, quant=quant, scale=scale)
+        norm.weight.data.uniform_(0.5, 1.5)
+        down = RowParallelLinear(K, H, norm)
+        out = down(x, residual)
+        compiled = torch.compile(down, fullgraph=True)(x, residual)
+        partial = torch.nn.functional.linear(x, down.weight)
+        parts = [torch.empty_like(partial) for _ in range(2)]
+        dist.all_gather(parts, partial)
+        ref = allreduce_add_rmsnorm_ref([p.view(-1, H) for p in parts], residual.view(-1, H),
+                                        norm.weight, 1e-6, quant=quant, scale=norm.scale)
+        for got in (out, compiled):
+            assert got.residual.shape == (3, 5, H)
+            assert torch.equal(got.residual.view(-1, H), ref.residual), quant
+            if quant is None:
+                assert torch.equal(got.y.view(-1, H), ref.y)
+            else:
+                assert torch.equal(got.q.view(-1, H).view(torch.uint8), ref.q.view(torch.uint8))
+                assert torch.equal(got.scales, ref.scales)
+    ws.close()
+
+
+def test_tp_modules_match_the_reference_eager_and_compiled():
+    spawn(_body_modules, 2, timeout_s=600, cpu_only=True)
+
+
+def test_fp8_linear_matches_a_dequantized_matmul():
+    from distnorm.reference import add_rmsnorm_ref
+    from distnorm.tp import fp8_linear, quantize_weight_fp8
+
+    torch.manual_seed(0)
+    w = torch.randn(48, 256).to(torch.bfloat16)
+    w_t, w_s = quantize_weight_fp8(w)
+    assert w_t.shape == (256, 48) and w_t.stride() == (1, 256) and w_s.shape == (1,)
+    x = torch.randn(2, 3, 256).to(torch.bfloat16)
+    for quant, scale in (("fp8_per_token", None), ("fp8", torch.tensor([0.05]))):
+        ref = add_rmsnorm_ref(x.view(-1, 256), None, torch.ones(256, dtype=torch.bfloat16),
+                              quant=quant, scale=scale)
+        s = ref.scales
+        got = fp8_linear(ref.q.view(2, 3, 256), s, w_t, w_s)
+        want = (ref.q.float() * s.float()) @ (w_t.float() * w_s)
+        assert got.shape == (2, 3, 48)
+        assert torch.allclose(got.float().view(-1, 48), want, rtol=2e-2, atol=2e-2)
+
+
+def test_module_argument_errors():
+    import distnorm
+    from distnorm.tp import AllReduceAddRMSNorm
+
+    ws = object.__new__(distnorm.Workspace)
+    with pytest.raises(ValueError, match="quant must be one of"):
+        AllReduceAddRMSNorm(256, ws, quant="nvfp4")
+    with pytest.raises(ValueError, match="scale .* is required for quant='fp8'"):
+        AllReduceAddRMSNorm(256, ws, quant="fp8")
+    with pytest.raises(ValueError, match="scale must be a float > 0"):
+        AllReduceAddRMSNorm(256, ws, quant="fp8", scale=-1.0)
+    with pytest.raises(TypeError, match="distnorm.Workspace"):
+        AllReduceAddRMSNorm(256, "ws")

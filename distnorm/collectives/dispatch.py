@@ -1,5 +1,6 @@
 """Running one all-reduce call: the CuTe kernels over peer mappings (chunked to fit the workspace),
-or, without peer mappings, torch.distributed all-gather + the single-GPU kernel (CPU: the reference).
+or, without peer mappings, torch.distributed by row slices + the single-GPU kernel (CPU: the
+reference).
 
 Arguments are already checked and outputs allocated (collectives/ops.py). Semantics:
 docs/SEMANTICS.md; outputs are bitwise identical on every rank.
@@ -12,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from distnorm.args import DTYPE_NAMES, check_rows_aligned, checked_mode, copy_outputs, kernel_views
+from distnorm.args import DTYPE_NAMES, check_rows_aligned, checked_mode, kernel_views
 from distnorm.collectives.faults import raise_if_failed
 from distnorm.collectives.plan import plan_launch
 from distnorm.collectives.state import state_of
@@ -89,38 +90,24 @@ def gathered_sum(x: Tensor, group) -> Tensor:
 
 def run_fallback(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
                  q_out, scales_out, ar_out, ws) -> None:
-    """No peer mappings (or CPU tensors): all-gather through torch.distributed, ordered float32
-    sum, then the single-GPU kernel on the sum (CPU: the reference). Logs once per workspace why."""
+    """No peer mappings (or CPU tensors): torch.distributed by row slices (collectives/rowsplit.py):
+    all_to_all, ordered float32 sum and the norm-quant epilogue of this rank's slice (single-GPU
+    kernel; CPU: the reference), all_gather of the outputs. Bitwise the peer kernels' results, with
+    all-reduce-like traffic. Chunked to the workspace's buffer size. Logs once per workspace why."""
     if x.is_cuda:
         state = state_of(ws)
         if not state.fallback_logged:
             state.fallback_logged = True
             reason = ws.fallback_reason or ("workspace is closed" if ws.closed else "no peer mappings")
-            log.warning("distnorm all-reduce: using torch.distributed all-gather + single-GPU "
-                        "kernel (%s)", reason)
+            log.warning("distnorm all-reduce: using torch.distributed (all_to_all + all_gather) + "
+                        "single-GPU kernel (%s)", reason)
     if x.shape[0] == 0:
         return
-    acc = gathered_sum(x, ws.group)
-    if ar_out is not None:
-        ar_out.copy_(acc.to(x.dtype))
-    if not x.is_cuda:
-        from distnorm.reference import _norm_quant
-        ref = _norm_quant(acc, x.dtype, residual, weight, eps, spec, scale, global_scale, gemma,
-                          y_out is not None, None)
-        copy_outputs(ref, spec, residual_out, y_out, q_out, scales_out)
-        return
-    from distnorm.ops import run_fused_norm_kernel
+    from distnorm.collectives.rowsplit import allreduce_by_slices
 
-    if residual_out is None and y_out is None and q_out is None:
-        return  # plain all-reduce
-    if residual is not None:
-        # h = T(acc + float(res)) with one rounding, then the fused kernel on (h, no residual)
-        h = (acc + residual.float()).to(x.dtype)
-        residual_out.copy_(h)
-    else:
-        h = acc.to(x.dtype)
-    run_fused_norm_kernel(h, None, weight, eps, spec, scale, global_scale, gemma, None, y_out,
-                          q_out, scales_out)
+    chunk = max(1, ws.buffer_bytes // (x.shape[1] * x.element_size()))
+    allreduce_by_slices(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,
+                        y_out, q_out, scales_out, ar_out, ws.group, chunk)
 
 
 def run(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out, q_out,

@@ -1,0 +1,150 @@
+"""Collectives by row slices over torch.distributed (NCCL, gloo): what every path without peer
+memory is built from, moving all-reduce traffic instead of N copies of x.
+
+Row split (also the sequence-parallel ops' shard): with S = ceil(M / N), rank r owns rows
+[min(M, r * S), min(M, (r + 1) * S)) -- trailing ranks may own fewer rows, or none.
+
+- `reduce_rows(x, group)`: every rank sends each peer that peer's slice (all_to_all); rank r gets
+  the ordered float32 sum x_0 + x_1 + ... of its slice (bitwise the peer kernels' sum).
+- `slice_epilogue(...)`: residual add + RMSNorm + quantization of those rows with the single-GPU
+  kernel (the reference on CPU): bitwise what the peer kernels write for the same rows, since a
+  row's outputs do not depend on the kernel (NOTE [batch invariance] in kernels/norm_quant.py).
+- `gather_rows(t, M, group)`: every rank's slice back in row order (all_gather), any dtype.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from distnorm.formats import NormQuantOutput, QuantSpec, from_swizzled, to_swizzled
+
+__all__ = ["slice_bounds", "reduce_rows", "slice_epilogue", "gather_rows", "linear_spec",
+           "scales_to_layout", "scales_to_linear", "allreduce_by_slices"]
+
+
+def slice_bounds(M: int, world: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of rank's rows (module docstring)."""
+    S = -(-M // world)
+    start = min(M, rank * S)
+    return start, min(M, start + S)
+
+
+def _world_rank(group) -> tuple[int, int]:
+    import torch.distributed as dist
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def reduce_rows(x: Tensor, group) -> Tensor:
+    """This rank's slice of the ordered float32 sum of every rank's x [M, H]: float32 [M_r, H]."""
+    import torch.distributed as dist
+
+    world, rank = _world_rank(group)
+    M, H = x.shape
+    S = -(-M // world)
+    if M == world * S and x.is_contiguous():
+        send = x
+    else:
+        send = x.new_zeros(world * S, H)
+        send[:M] = x
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    parts = recv.view(world, S, H)
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc = acc + p.float()
+    start, stop = slice_bounds(M, world, rank)
+    return acc[:stop - start]
+
+
+def linear_spec(spec: Optional[QuantSpec]) -> Optional[QuantSpec]:
+    """The spec with row-major, linear scales (what slices are computed and gathered in)."""
+    if spec is None or not (spec.swizzled or spec.col_major):
+        return spec
+    from dataclasses import replace
+    return replace(spec, sf_layout="linear", scale_major="row")
+
+
+def slice_epilogue(acc: Tensor, dtype: torch.dtype, residual: Optional[Tensor], weight: Tensor,
+                   eps: float, spec: Optional[QuantSpec], scale, global_scale, gemma: bool,
+                   want_y: bool, want_allreduce: bool) -> NormQuantOutput:
+    """h = T(acc + float(residual)) (or T(acc)), then RMSNorm + quantization of the rows with
+    linear, row-major scales. acc: float32 [rows, H]; residual: [rows, H] or None."""
+    from distnorm.ops import add_rmsnorm
+
+    h = (acc + residual.float()).to(dtype) if residual is not None else acc.to(dtype)
+    out = add_rmsnorm(h, None, weight, eps, quant=linear_spec(spec), scale=scale,
+                      global_scale=global_scale, gemma=gemma, norm_out=want_y)
+    return out._replace(residual=h if residual is not None else None,
+                        allreduce=acc.to(dtype) if want_allreduce else None)
+
+
+def gather_rows(t: Tensor, M: int, group) -> Tensor:
+    """Every rank's rows t [M_r, ...] of the row split, in row order: [M, ...] (any dtype)."""
+    import torch.distributed as dist
+
+    world, _ = _world_rank(group)
+    S = -(-M // world)
+    shape = tuple(t.shape[1:])
+    cols = 1
+    for n in shape:
+        cols *= n
+    raw = t.reshape(t.shape[0], cols).contiguous().view(torch.uint8)
+    send = torch.zeros(S, raw.shape[1], dtype=torch.uint8, device=t.device)
+    send[:t.shape[0]] = raw
+    out = torch.empty(world * S, raw.shape[1], dtype=torch.uint8, device=t.device)
+    dist.all_gather_into_tensor(out, send, group=group)
+    return out[:M].view(t.dtype).reshape((M,) + shape)
+
+
+def scales_to_layout(linear: Tensor, spec: QuantSpec, out: Tensor) -> None:
+    """Write row-major linear scales [M, K] into `out`, the op's scales tensor in spec's layout."""
+    if spec.block_scaled and spec.swizzled:
+        out.copy_(to_swizzled(linear).view(out.shape))
+    else:
+        out.copy_(linear)  # column-major out: copy_ transposes
+
+
+def scales_to_linear(scales: Tensor, spec: QuantSpec, M: int, H: int) -> Tensor:
+    """The row-major linear [M, K] view/copy of scales in spec's layout."""
+    if spec.block_scaled and spec.swizzled:
+        return from_swizzled(scales, M, H // spec.group_size)
+    return scales.contiguous()
+
+
+def allreduce_by_slices(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
+                        spec: Optional[QuantSpec], scale, global_scale, gemma: bool,
+                        residual_out, y_out, q_out, scales_out, ar_out, group,
+                        chunk_rows: int) -> None:
+    """allreduce_add_rmsnorm's semantics over torch.distributed: per chunk of rows, reduce_rows,
+    slice_epilogue, gather_rows of every output into the (allocated) outputs; scales are gathered
+    row-major linear and written in spec's layout at the end."""
+    world, rank = _world_rank(group)
+    M, H = x.shape
+    want_y, want_ar = y_out is not None, ar_out is not None
+    plain = residual_out is None and y_out is None and q_out is None
+    gathers_scales = spec is not None and spec.info.scales in ("row", "group", "block")
+    linear = None
+    if gathers_scales and spec.block_scaled and spec.swizzled:
+        linear = torch.empty(M, H // spec.group_size, dtype=scales_out.dtype, device=x.device)
+    for a in range(0, M, chunk_rows):
+        b = min(M, a + chunk_rows)
+        acc = reduce_rows(x[a:b], group)
+        if plain:
+            ar_out[a:b].copy_(gather_rows(acc.to(x.dtype), b - a, group))
+            continue
+        s0, s1 = slice_bounds(b - a, world, rank)
+        res = None if residual is None else residual[a + s0:a + s1]
+        out = slice_epilogue(acc, x.dtype, res, weight, eps, spec, scale, global_scale, gemma,
+                             want_y, want_ar)
+        for dst, t in ((residual_out, out.residual), (y_out, out.y), (ar_out, out.allreduce),
+                       (q_out, out.q)):
+            if dst is not None:
+                dst[a:b].copy_(gather_rows(t, b - a, group))
+        if gathers_scales:
+            rows = gather_rows(out.scales, b - a, group)
+            (linear if linear is not None else scales_out)[a:b].copy_(rows)
+    if linear is not None:
+        scales_to_layout(linear, spec, scales_out)
+

@@ -8,7 +8,12 @@
     state.py     the per-workspace state (AllReduceState), owned by the workspace
     dispatch.py  running one call: kernels over peer mappings, or the NCCL fallback
     ops.py       the user-facing ops and their torch.library registration
+    rowsplit.py  collectives by row slices over torch.distributed (the path without peer memory)
+    seqpar.py    the sequence-parallel ops (reduce-scatter + norm-quant, all-gather)
 """
 from distnorm.collectives.ops import allreduce, allreduce_add_rmsnorm, check, reset
+from distnorm.collectives.seqpar import (all_gather, all_gather_scales,
+                                         reduce_scatter_add_rmsnorm, shard_rows)
 
-__all__ = ["allreduce", "allreduce_add_rmsnorm", "reset", "check"]
+__all__ = ["allreduce", "allreduce_add_rmsnorm", "reset", "check", "reduce_scatter_add_rmsnorm",
+           "all_gather", "all_gather_scales", "shard_rows"]

@@ -90,7 +90,8 @@ def gather_rows(t: Tensor, M: int, group) -> Tensor:
     cols = 1
     for n in shape:
         cols *= n
-    raw = t.reshape(t.shape[0], cols).contiguous().view(torch.uint8)
+    # through 1-D: a [rows, 1] tensor may carry a 0 stride that byte views reject
+    raw = t.reshape(-1).contiguous().view(torch.uint8).reshape(t.shape[0], cols * t.element_size())
     send = torch.zeros(S, raw.shape[1], dtype=torch.uint8, device=t.device)
     send[:t.shape[0]] = raw
     out = torch.empty(world * S, raw.shape[1], dtype=torch.uint8, device=t.device)

@@ -1,0 +1,74 @@
+"""The sequence-parallel ops (distnorm/collectives/seqpar.py) on the CPU: gloo ranks, CPU
+workspace. Every format and layout, M = 0 .. past 128 at 2 and 3 ranks (shards of unequal size
+and empty ones): the shard's outputs are bitwise allreduce_add_rmsnorm's rows, and gathered q /
+scales (gather=True, or all_gather + all_gather_scales) are bitwise allreduce_add_rmsnorm's for
+all M (incl. the 128x4 swizzled scales re-tiled across shard boundaries)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distnorm.launch import spawn
+
+H = 256
+
+
+def _same(a, b, what):
+    assert (a is None) == (b is None), what
+    if a is not None:
+        assert a.shape == b.shape, (what, a.shape, b.shape)
+        assert torch.equal(a.reshape(-1).contiguous().view(torch.uint8),
+                           b.reshape(-1).contiguous().view(torch.uint8)), what
+
+
+def _body() -> None:
+    import torch.distributed as dist
+
+    import distnorm
+    from distnorm import formats
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ws = distnorm.Workspace(dist.group.WORLD, device="cpu")
+    w = (torch.rand(H, generator=torch.Generator().manual_seed(0)) + 0.5).to(torch.bfloat16)
+    for name, quant, opts in formats.format_variants():
+        kw = dict(quant=quant, **opts)
+        if quant == "fp8":
+            kw["scale"] = torch.tensor([0.05])
+        if quant == "nvfp4":
+            kw["global_scale"] = torch.tensor([448 * 6 / 12.0])
+        for M in (0, 1, 5, 130):
+            x = (torch.randn(M, H, generator=torch.Generator().manual_seed(M + 17 * rank)) * 2
+                 ).to(torch.bfloat16)
+            res = torch.randn(M, H, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
+            full = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, norm_out=True,
+                                                  **kw)
+            a, b = distnorm.shard_rows(M, ws)
+            shard = distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, 1e-6, workspace=ws,
+                                                        norm_out=True, **kw)
+            what = f"{name} M={M}"
+            _same(shard.residual, full.residual[a:b], what + " residual")
+            _same(shard.y, full.y[a:b], what + " y")
+            if quant is None:
+                continue
+            _same(shard.q, full.q[a:b], what + " q")
+            gathered = distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, 1e-6, workspace=ws,
+                                                           gather=True, **kw)
+            _same(gathered.q, full.q, what + " gathered q")
+            _same(distnorm.all_gather(shard.q, workspace=ws, rows=M), full.q, what + " all_gather q")
+            if quant == "fp8":
+                continue
+            _same(gathered.scales, full.scales, what + " gathered scales")
+            opts_s = {k: v for k, v in opts.items()}
+            s = distnorm.all_gather_scales(shard.scales, workspace=ws, rows=M, hidden=H,
+                                           quant=quant, **opts_s)
+            _same(s, full.scales, what + " all_gather_scales")
+    with pytest.raises(ValueError, match="residual must have shape"):
+        distnorm.reduce_scatter_add_rmsnorm(torch.zeros(8, H, dtype=torch.bfloat16),
+                                            torch.zeros(8, H, dtype=torch.bfloat16), w,
+                                            workspace=ws)
+    ws.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shards_and_gathers_bitwise_allreduce(world):
+    spawn(_body, world, timeout_s=600, cpu_only=True)

@@ -152,6 +152,8 @@ class Workspace:
     group: None, a torch.distributed ProcessGroup, an mpi4py communicator, or a Bootstrap.
     buffer_bytes / signal_bytes: per-rank sizes of the data region and the signal pad.
     backend: "auto", "vmm", "torch_symm" or "nvshmem"; an explicit backend that fails raises.
+      "none": no peer mappings even where they would work -- the ops take the torch.distributed
+      path, as on a group spanning nodes (to test or benchmark that path on one machine).
     device: the local CUDA device (default: current), or "cpu": a workspace without peer memory
       whose ops run through torch.distributed (e.g. gloo) and the reference, for CPU tests of code
       that uses distnorm (slow; results as on the GPU up to the reference's rounding).
@@ -168,8 +170,8 @@ class Workspace:
         self.signal_bytes = _positive_int("signal_bytes", signal_bytes)
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-        if backend != "auto" and backend not in BACKENDS:
-            raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+        if backend not in ("auto", "none") and backend not in BACKENDS:
+            raise ValueError(f"backend must be 'auto', 'none' or one of {BACKENDS}, got {backend!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         apply_no_multicast_env()
@@ -199,6 +201,8 @@ class Workspace:
             self.error_flag = _pinned_zeros(ERROR_WORDS)
             problem = _topology_problem(boot, self.device_index)
             self.single_node = problem is None or not problem.startswith("group spans")
+            if problem is None and backend == "none":
+                problem = "backend='none' asked for no peer mappings"
             if problem is None:
                 self._impl, problem = self._open_backend(backend, boot, timeout_s)
             if self._impl is None:

@@ -1,0 +1,84 @@
+"""The torch.distributed (NCCL) path on GPUs, forced with Workspace(backend="none") as on a group
+that spans nodes: every output bitwise the peer kernels' (every format, several M, every
+algorithm on the peer side), and the sequence-parallel ops' shards and gathers bitwise
+allreduce_add_rmsnorm's."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from harness import MULTIGPU_MARKS, gathered_check
+from distnorm.launch import run_distributed
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = MULTIGPU_MARKS
+QUANTS = {"none": (None, {}), "fp8": ("fp8", {}), "fp8_per_token": ("fp8_per_token", {}),
+          "fp8_g128_col": ("fp8_per_group", {"scale_major": "col"}),
+          "nvfp4": ("nvfp4", {}), "mxfp4_linear": ("mxfp4", {"sf_layout": "linear"})}
+
+
+def _kw(quant, opts):
+    kw = dict(quant=quant, **opts)
+    if quant == "fp8":
+        kw["scale"] = torch.tensor([0.05], device="cuda")
+    if quant == "nvfp4":
+        kw["global_scale"] = torch.tensor([448 * 6 / 12.0], device="cuda")
+    return kw
+
+
+def _bytes(t):
+    return None if t is None else t.reshape(-1).contiguous().view(torch.uint8)
+
+
+def _body() -> None:
+    import distnorm
+    from distnorm.comm import resolve_bootstrap
+
+    boot = resolve_bootstrap(None)
+    peer = distnorm.Workspace(buffer_bytes=32 << 20)
+    nccl = distnorm.Workspace(backend="none", buffer_bytes=4 << 20)  # 4 MiB: chunks at M=2000
+    assert peer.p2p_ok and not nccl.p2p_ok and "none" in nccl.fallback_reason
+
+    def check():
+        H = 4096
+        w = (torch.rand(H, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+             + 0.5).to(torch.bfloat16)
+        for name, (quant, opts) in QUANTS.items():
+            kw = _kw(quant, opts)
+            for M in (1, 130, 2000):
+                g = torch.Generator("cuda").manual_seed(M * 13 + peer.rank)
+                x = (torch.randn(M, H, device="cuda", generator=g) * 2).to(torch.bfloat16)
+                res = torch.randn(M, H, device="cuda", generator=torch.Generator("cuda")
+                                  .manual_seed(M)).to(torch.bfloat16)
+                got = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=nccl,
+                                                     norm_out=True, allreduce_out=True, **kw)
+                for algo in ("oneshot", "twoshot", "lamport"):
+                    want = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=peer,
+                                                          algo=algo, norm_out=True,
+                                                          allreduce_out=True, **kw)
+                    for field in ("residual", "y", "q", "scales", "allreduce"):
+                        a, b = _bytes(getattr(got, field)), _bytes(getattr(want, field))
+                        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), \
+                            f"{name} M={M} {algo}: {field} differs from the peer path"
+                a, b = distnorm.shard_rows(M, nccl)
+                shard = distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, 1e-6, workspace=nccl,
+                                                            gather=True, **kw)
+                assert torch.equal(shard.residual, want.residual[a:b]), f"{name} M={M} shard h"
+                if quant is not None:
+                    assert torch.equal(_bytes(shard.q), _bytes(want.q)), f"{name} M={M} gathered q"
+                    if quant != "fp8":
+                        assert torch.equal(_bytes(shard.scales), _bytes(want.scales)), \
+                            f"{name} M={M} gathered scales"
+        torch.cuda.synchronize()
+    try:
+        gathered_check(boot, check)
+    finally:
+        peer.close()
+        nccl.close()
+
+
+def test_nccl_path_bitwise_the_peer_kernels():
+    run_distributed(_body, timeout_s=900)

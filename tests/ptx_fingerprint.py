@@ -47,6 +47,8 @@ ALLREDUCE = [
     ("twoshot", 4, "float16", 8192, "fp8", True, False, True, True, True, 0),
     ("lamport", 2, "bfloat16", 4096, "pg128", True, False, True, False, True, 1),
     ("twoshot", 2, "bfloat16", 4096, "fp8", True, False, False, False, True, 0),
+    ("reducescatter", 2, "bfloat16", 4096, "pt", True, False, False, False, True, 0),
+    ("reducescatter", 4, "bfloat16", 7168, "nvfp4s", True, False, True, False, True, 0),
 ]
 
 

@@ -1,4 +1,5 @@
-"""The all-reduce kernels (one-shot, two-shot and lamport, world 2/4/8, several output formats) compile for
+"""The all-reduce kernels (one-shot, two-shot and lamport, world 2/4/8, and the sequence-parallel
+reduce-scatter; several output formats) compile for
 sm_90a from fake tensors, no GPU needed (CuTe DSL 4.8+ with CUTE_DSL_ARCH set; 4.3.5 stops at a
 driver check, so there the test skips and says why). Runs in a subprocess: the DSL reads
 CUTE_DSL_ARCH once.
@@ -29,6 +30,10 @@ variants = [
     ("lamport", 2, "bfloat16", 4096, Q("fp8"), True, False, False, False, True, 1),
     ("oneshot", 4, "bfloat16", 2048, Q("mxfp4"), True, False, False, False, True, 1),
     ("twoshot", 4, "float16", 8192, Q("fp8"), True, False, True, True, True, 0),
+    # the sequence-parallel reduce-scatter (shard-local outputs)
+    ("reducescatter", 2, "bfloat16", 4096, Q("fp8_per_token"), True, False, False, False, True, 0),
+    ("reducescatter", 4, "bfloat16", 7168, Q("nvfp4"), True, False, True, False, True, 0),
+    ("reducescatter", 8, "float16", 2000, NO_QUANT, False, True, True, False, True, 0),
 ]
 for v in variants:
     compiled_allreduce(*v)
@@ -37,7 +42,7 @@ for v in variants:
 
 
 def test_allreduce_kernels_compile_sm90a():
-    assert compile_in_subprocess(BODY) == 14
+    assert compile_in_subprocess(BODY) == 17
 
 
 # --- buffer split and capacities (host arithmetic, no GPU) -----------------------------------------

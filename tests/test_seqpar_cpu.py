@@ -27,7 +27,7 @@ def _body() -> None:
     import distnorm
     from distnorm import formats
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     ws = distnorm.Workspace(dist.group.WORLD, device="cpu")
     w = (torch.rand(H, generator=torch.Generator().manual_seed(0)) + 0.5).to(torch.bfloat16)
     for name, quant, opts in formats.format_variants():

@@ -10,6 +10,7 @@ Signal pad (per rank, ``Workspace.signal_bytes``, u32 words), regions of ``REGIO
     region 3  REGION_LAMPORT       lamport's call state (LAMPORT_W_* words below)
     region 4  REGION_DEVICE_ERROR  word 0: the device error word (DEVICE_ERROR_WORD), then the
                                    call words (CALL_W_* below)
+    region 5  REGION_REDUCESCATTER the sequence-parallel reduce-scatter's cross-rank CTA barrier
 
 A barrier region holds ``epochs[MAX_CTAS]`` then 64-bit ``flags[MAX_CTAS][MAX_WORLD]``, each flag
 (epoch, call signature) (kernels/sync.py).
@@ -50,7 +51,8 @@ from __future__ import annotations
 
 __all__ = [
     "MAX_CTAS", "MAX_WORLD", "REGION_WORDS", "REGION_BARRIER_TEST", "REGION_ONESHOT",
-    "REGION_TWOSHOT", "REGION_LAMPORT", "REGION_DEVICE_ERROR", "region_word", "DEVICE_ERROR_WORD",
+    "REGION_TWOSHOT", "REGION_LAMPORT", "REGION_DEVICE_ERROR", "REGION_REDUCESCATTER",
+    "region_word", "DEVICE_ERROR_WORD",
     "MIN_SIGNAL_BYTES", "ERROR_NONE", "ERROR_TIMEOUT", "ERROR_MISMATCH", "ERROR_NAMES",
     "ERROR_WORDS", "ERR_CODE", "ERR_PEER", "ERR_EPOCH", "ERR_VALUE", "FLAG_WORDS", "DESCRIPTOR_WORDS",
     "CALL_W_LAST", "CALL_W_LAMPORT_HDR", "CALL_W_HOST_BARRIER", "HOST_BARRIER_FIRST_CALL",
@@ -69,6 +71,7 @@ REGION_ONESHOT = 1
 REGION_TWOSHOT = 2
 REGION_LAMPORT = 3
 REGION_DEVICE_ERROR = 4
+REGION_REDUCESCATTER = 5
 
 
 def region_word(region: int) -> int:
@@ -83,7 +86,7 @@ CALL_W_LAST = DEVICE_ERROR_WORD + 4          # 16-byte aligned
 CALL_W_LAMPORT_HDR = CALL_W_LAST + DESCRIPTOR_WORDS
 CALL_W_HOST_BARRIER = CALL_W_LAMPORT_HDR + LAMPORT_AREAS * MAX_WORLD * DESCRIPTOR_WORDS
 HOST_BARRIER_FIRST_CALL, HOST_BARRIER_RESET_A, HOST_BARRIER_RESET_B = 0, 1, 2
-MIN_SIGNAL_BYTES = (CALL_W_HOST_BARRIER + 3 * MAX_WORLD) * 4  # every region and call word fits
+MIN_SIGNAL_BYTES = region_word(REGION_REDUCESCATTER + 1) * 4  # every region (the last: 5) fits
 
 # pinned error words
 ERROR_NONE = 0
@@ -120,3 +123,5 @@ def check_signal_pad(signal_bytes: int, world: int, ctas: int | None = None) -> 
                          f"{world}")
     if ctas is not None and not 1 <= ctas <= MAX_CTAS:
         raise ValueError(f"the cross-rank barrier supports 1..{MAX_CTAS} CTAs, got {ctas}")
+
+assert CALL_W_HOST_BARRIER + 3 * MAX_WORLD <= region_word(REGION_DEVICE_ERROR + 1)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
 from distnorm.collectives.layout import (LAMPORT_AREAS, REGION_LAMPORT, REGION_ONESHOT,
-                                         REGION_TWOSHOT, lamport_split)
+                                         REGION_REDUCESCATTER, REGION_TWOSHOT, lamport_split)
 
 __all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "Tuning", "choose_algo", "lamport_capacity",
            "max_chunk_rows", "plan_launch", "LAMPORT_CROSSOVER_BYTES", "LAMPORT_CROSSOVER_BYTES_PLAIN",
@@ -31,6 +31,12 @@ def _twoshot_rows(world: int, row_bytes: int, part_bytes: int, gather_acc: bool,
     ceil(rows / world), rows padded to 128 for swizzled scales (so the cap is a multiple of 128)."""
     cap = part_bytes // ((2 + int(gather_acc)) * row_bytes) - (world - 1)
     return cap // SWIZZLE_ROWS * SWIZZLE_ROWS if swizzled else cap
+
+
+def _scatter_rows(world: int, row_bytes: int, part_bytes: int, gather_acc: bool,
+                  swizzled: bool) -> int:
+    """reduce-scatter (sequence-parallel): scatter [world][S] rows, S = ceil(M / world)."""
+    return world * (part_bytes // (world * row_bytes))
 
 
 @dataclass(frozen=True)
@@ -55,8 +61,10 @@ ALGORITHMS = {
     "lamport": Algorithm("lamport", REGION_LAMPORT, True, _slot_rows, LAMPORT_AREAS),
     "oneshot": Algorithm("oneshot", REGION_ONESHOT, False, _slot_rows),
     "twoshot": Algorithm("twoshot", REGION_TWOSHOT, False, _twoshot_rows),
+    # the sequence-parallel op's kernel (collectives/seqpar.py), not an all-reduce algorithm
+    "reducescatter": Algorithm("reducescatter", REGION_REDUCESCATTER, False, _scatter_rows),
 }
-ALGOS = ("auto",) + tuple(ALGORITHMS)
+ALGOS = ("auto", "lamport", "oneshot", "twoshot")  # what allreduce ops take as `algo`
 
 # Crossovers in bytes per rank (M * H * element size), by world size.
 # World 2: measured on 2 x H200 (NV18), benchmarks/results/allreduce_fusion_h200_x2.md, command

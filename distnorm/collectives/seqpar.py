@@ -10,24 +10,34 @@ trailing ranks may own fewer rows, or none (M >= 0 always works). The shard's ou
 allreduce_add_rmsnorm's for those rows (ordered float32 sum, one rounding of h; bitwise, by batch
 invariance), and the gathered q / scales are bitwise allreduce_add_rmsnorm's for all M.
 
-Today these ops run over torch.distributed (all_to_all, all_gather; the single-GPU kernel for the
-epilogue, the reference on CPU) on every workspace: the peer-memory kernels are not written yet.
+With peer mappings the reduce-scatter is one kernel (algorithm "reducescatter" of
+kernels/allreduce.py: the two-shot push, then the norm-quant epilogue of the own shard); without
+them, or when the call does not fit the workspace's buffer, torch.distributed (all_to_all; the
+single-GPU kernel for the epilogue, the reference on CPU). Gathers (gather=True, all_gather,
+all_gather_scales) run over torch.distributed (all_gather) for now.
 """
 from __future__ import annotations
 
+import logging
+
 from typing import Optional
 
+import torch
 from torch import Tensor
 
-from distnorm.args import check_eps, check_rows
-from distnorm.collectives.rowsplit import (gather_rows, reduce_rows, scales_to_layout, slice_bounds,
-                                           slice_epilogue)
+from distnorm.args import (DTYPE_NAMES, allocate_outputs, check_eps, check_rows, checked_mode,
+                           kernel_views, returned_scales)
+from distnorm.collectives.faults import raise_if_failed
+from distnorm.collectives.rowsplit import (gather_rows, reduce_rows, scales_to_layout,
+                                           scales_to_linear, slice_bounds, slice_epilogue)
 from distnorm.comm.workspace import Workspace
 from distnorm.formats import (MAX_HIDDEN, MIN_HIDDEN, NormQuantOutput, QuantSpec, check_hidden,
-                              empty_scales, make_quant_spec, scales_geometry)
+                              empty_scales, kernel_spec, make_quant_spec, scales_geometry)
 from distnorm.rows import as_rows
 
 __all__ = ["reduce_scatter_add_rmsnorm", "all_gather", "all_gather_scales", "shard_rows"]
+
+log = logging.getLogger(__name__)
 
 
 def _group_of(workspace) -> tuple:
@@ -87,20 +97,68 @@ def reduce_scatter_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Te
         check_rows("residual", residual, x2, (stop - start, H))
     if not isinstance(weight, Tensor) or tuple(weight.shape) != (H,) or weight.dtype != x2.dtype:
         raise ValueError(f"weight must be a [{H}] tensor of x's dtype {x2.dtype}")
-    acc = reduce_rows(x2, group)
     want_y = norm_out or spec is None
-    out = slice_epilogue(acc, x2.dtype, residual, weight, eps, spec, scale, global_scale, gemma,
-                         want_y, False)
-    rows = M if gather else stop - start
-    q, y, s = out.q, out.y, out.scales
-    if gather:
-        q = None if q is None else gather_rows(q, M, group)
-        y = None if y is None else gather_rows(y, M, group)
-        if s is not None and scales_geometry(spec, M, H) is not None:
-            s = gather_rows(s, M, group)
-    if spec is not None and scales_geometry(spec, rows, H) is not None:
-        s = _in_layout(s, spec, rows, H)
+    local = stop - start
+    has_scales = spec is not None and scales_geometry(spec, M, H) is not None
+    if _kernel_fits(workspace, x2):
+        out = _shard_by_kernel(workspace, x2, residual, weight, eps, spec, scale, global_scale,
+                               gemma, want_y, local)
+        linear = scales_to_linear(out.scales, spec, local, H) if has_scales and gather else None
+    else:
+        out = slice_epilogue(reduce_rows(x2, group), x2.dtype, residual, weight, eps, spec, scale,
+                             global_scale, gemma, want_y, False)
+        linear = out.scales if has_scales else None
+        if has_scales:
+            out = out._replace(scales=_in_layout(linear, spec, local, H))
+    if not gather:
+        return out._replace(scales=out.scales if spec is not None else None)
+    q = None if out.q is None else gather_rows(out.q, M, group)
+    y = None if out.y is None else gather_rows(out.y, M, group)
+    s = _in_layout(gather_rows(linear, M, group), spec, M, H) if has_scales else out.scales
     return NormQuantOutput(out.residual, y, q, s if spec is not None else None, None)
+
+
+def _kernel_fits(ws: Workspace, x: Tensor) -> bool:
+    """Peer mappings, a CUDA x, and the call's slices fit the workspace's buffer."""
+    if not (x.is_cuda and ws.p2p_ok) or x.shape[0] == 0:
+        return False
+    from distnorm.collectives.plan import max_chunk_rows
+    try:
+        fits = max_chunk_rows("reducescatter", ws.world_size, x.shape[0], x.shape[1],
+                              x.element_size(), ws.buffer_bytes, False, False) >= x.shape[0]
+    except ValueError:
+        fits = False
+    if not fits:
+        log.warning("distnorm.reduce_scatter_add_rmsnorm: %d x %d does not fit the workspace's "
+                    "buffer of %d bytes; using torch.distributed", *x.shape, ws.buffer_bytes)
+    return fits
+
+
+def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scale, global_scale,
+                     gemma, want_y, local) -> NormQuantOutput:
+    """The reduce-scatter kernel: shard outputs, scales in spec's layout for the shard's rows."""
+    from distnorm.collectives.state import state_of
+    from distnorm.kernels.compile_allreduce import compiled_allreduce
+
+    state = state_of(ws)
+    kspec = kernel_spec(spec)
+    shard_like = x[:local]
+    residual_out, y_out, q_out, scales_out = allocate_outputs(
+        shard_like, spec, residual is not None, want_y, None, None, None, None)
+    kernel = compiled_allreduce("reducescatter", ws.world_size, DTYPE_NAMES[x.dtype], x.shape[1],
+                                kspec, residual is not None, gemma, y_out is not None, False,
+                                state.tuning.pdl, 0)
+    qv, sv = kernel_views(spec, q_out, scales_out)
+    state.check_signal_pad(ws)
+    raise_if_failed(ws)
+    kernel(x, residual, residual_out, weight, y_out, qv, sv, scale, global_scale, None,
+           ws.buffer_ptrs, ws.signal_ptrs, ws.error_flag_device, ws.rank,
+           state.grid_cap(x.device, x.shape[1], kspec, 0), float(eps), state.tuning.timeout_ns)
+    if checked_mode() and not torch.cuda.is_current_stream_capturing():
+        torch.cuda.current_stream(x.device).synchronize()
+        raise_if_failed(ws)
+    return NormQuantOutput(residual_out, y_out, q_out, returned_scales(spec, scale, scales_out),
+                           None)
 
 
 def all_gather(t: Tensor, *, workspace: Workspace, rows: int) -> Tensor:

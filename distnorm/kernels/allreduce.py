@@ -24,6 +24,11 @@ One kernel class, three compile-time algorithms:
   bitwise identical on all ranks. Final cta_barrier as in one-shot.
   Buffer: scatter [N][S][H] T, then gather h [N*S][H] T, then (optional) gather acc [N*S][H] T.
 
+- "reducescatter" (the sequence-parallel op, collectives/seqpar.py): two-shot's phase 1 over
+  slices of S = ceil(M / N) unpadded rows, then phase 2 for my slice only, writing shard-local
+  outputs (rows 0..M_r-1 of residual_out, y, q, scales; scale padding to 128 rows of the shard);
+  final cta_barrier. Buffer: scatter [N][S][H] T.
+
 - "lamport" (latency, no barrier): one-shot whose readers poll the data itself. Three rotating
   areas (collectives/layout.py; sentinel: kernels/lamport.py); call c pushes its sanitized rows into area c mod 3,
   slot `rank`, of every other rank with 128-bit volatile stores, polls its local area until no word
@@ -114,6 +119,20 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
         if const_expr(self.algo == "twoshot"):
             slice_rows = (rows + self.world - 1) // self.world
         groups = (slice_rows + t.rows_per_cta - 1) // t.rows_per_cta
+        if const_expr(self.algo == "reducescatter"):
+            # shard rows of M (unpadded), then this rank's shard rows (padded for swizzled
+            # scales); the grid covers every rank's padded shard, so it is the same on all ranks
+            slice_rows = (m + self.world - 1) // self.world
+            rows = m - rank * slice_rows
+            if rows > slice_rows:
+                rows = slice_rows
+            if rows < 0:
+                rows = Int32(0)
+            span = slice_rows
+            if const_expr(self.q.swizzled):
+                rows = (rows + 127) // 128 * 128
+                span = (slice_rows + 127) // 128 * 128
+            groups = (span + t.rows_per_cta - 1) // t.rows_per_cta
         blocks = groups
         if blocks > max_ctas:
             blocks = max_ctas
@@ -228,6 +247,9 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
         if const_expr(self.algo == "twoshot"):
             self._twoshot(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr, rank,
                           eps, timeout, rows, slice_rows, groups)
+        if const_expr(self.algo == "reducescatter"):
+            self._reducescatter(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
+                                rank, eps, timeout, rows, slice_rows, groups)
 
     @cute.jit
     def _oneshot(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
@@ -274,6 +296,66 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
         self._barrier(mSig, rank, bidx, timeout, mErr, sig)
 
     @cute.jit
+    def _push_slices(self, mX, mBuf, rank: Int32, slice_rows: Int32, push_groups: Int32,
+                     bidx: Int32, nblk: Int32, row_in_cta: Int32, lane: Int32, rT,
+                     dtype: cutlass.Constexpr):
+        """Reduce-scatter push: row i of slice s -> rank s, slot `rank`, row i (S = slice_rows
+        rows per slot, push_groups >= ceil(S / rows_per_cta) row groups); my own slice stays in x."""
+        t = self.t
+        m = mX.shape[0]
+        hidden = Int64(t.hidden)
+        slot_elems = Int64(slice_rows) * hidden
+        for g in range(bidx, push_groups, nblk):
+            i = g * t.rows_per_cta + row_in_cta
+            for s in cutlass.range_constexpr(self.world):
+                row = s * slice_rows + i
+                if (i < slice_rows) & (row < m) & (Int32(s) != rank):
+                    self.core.load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
+                    off = slot_elems * Int64(rank) + Int64(i) * hidden
+                    self.core.store_row(rT, self._row_view(mBuf[s], off, dtype), lane, dtype)
+
+    @cute.jit
+    def _reducescatter(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
+                       rank: Int32, eps: Float32, timeout: Int64, rows: Int32, slice_rows: Int32,
+                       groups: Int32):
+        """Sequence-parallel form: two-shot's reduce-scatter, then the epilogue of my shard only,
+        into shard-local outputs (residual, y, q, scales have the shard's rows; `rows`: the shard's
+        rows of the scale layout). No gather: collectives/seqpar.py gathers q and scales."""
+        t = self.t
+        dtype = mX.element_type
+        _, bidx, nblk, row_in_cta, lane = self._indices()
+        m = mX.shape[0]
+        hidden = Int64(t.hidden)
+        slot_elems = Int64(slice_rows) * hidden
+        local = m - rank * slice_rows  # rows of my shard
+        if local > slice_rows:
+            local = slice_rows
+        bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
+                                                                         lane)
+        sig = self._describe_launch(mSig, rank, m)
+        push_groups = (slice_rows + t.rows_per_cta - 1) // t.rows_per_cta
+        self._push_slices(mX, mBuf, rank, slice_rows, push_groups, bidx, nblk, row_in_cta, lane,
+                          rT, dtype)
+        self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+
+        base = mBuf[rank]
+        for g in range(bidx, groups, nblk):
+            i = g * t.rows_per_cta + row_in_cta
+            row_valid = i < local
+            rH.fill(0.0)
+            if row_valid:
+                if const_expr(self.has_residual):
+                    self.core.load_row(rR, cute.zipped_divide(mR[i, None], (VEC,)), lane)
+                self._sum_slots(rH, rT, base, slot_elems, Int64(i) * hidden,
+                                self._row_addr(mX, rank * slice_rows + i), rank, lane)
+                self._finish_row(rH, rR, mAR, mRout, i, lane, dtype)
+            self.core.epilogue(rH, i, row_valid, i < rows, lane, row_in_cta, eps, mW, mY, mQ, mS,
+                               static_inv, global_scale, bufs, rW)
+            cute.arch.barrier()  # shared-memory partials are reused by the next row
+        # nobody may overwrite a slot (next call) that a peer still reads
+        self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+
+    @cute.jit
     def _twoshot(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
                  rank: Int32, eps: Float32, timeout: Int64, rows: Int32, slice_rows: Int32,
                  groups: Int32):
@@ -292,16 +374,9 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
         rA = self.core.zeros(Float32)
         sig = self._describe_launch(mSig, rank, m)
 
-        # phase 1 (reduce-scatter push): row i of slice s -> rank s, slot `rank`, row i; my own
-        # slice stays in x (phase 2 reads it there)
-        for g in range(bidx, groups, nblk):
-            i = g * t.rows_per_cta + row_in_cta
-            for s in cutlass.range_constexpr(self.world):
-                row = s * slice_rows + i
-                if (i < slice_rows) & (row < m) & (Int32(s) != rank):
-                    self.core.load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
-                    off = slot_elems * Int64(rank) + Int64(i) * hidden
-                    self.core.store_row(rT, self._row_view(mBuf[s], off, dtype), lane, dtype)
+        # phase 1 (reduce-scatter push); my own slice stays in x (phase 2 reads it there)
+        self._push_slices(mX, mBuf, rank, slice_rows, groups, bidx, nblk, row_in_cta, lane, rT,
+                          dtype)
         self._barrier(mSig, rank, bidx, timeout, mErr, sig)
 
         # phase 2: reduce my slice, residual add, push T(h) (and T(acc)) to the other ranks' gather

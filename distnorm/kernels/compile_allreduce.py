@@ -54,9 +54,13 @@ def compiled_allreduce(algo: str, world: int, dtype: str, hidden: int, quant: Qu
     kernel = AllReduceAddRMSNormQuant(algo, world, tiling, quant, has_residual, gemma, write_y,
                                       write_allreduce, pdl, dtype)
     m = compat.sym_int(32)
+    # reducescatter: x has the call's M rows, the outputs the shard's (another run-time count)
+    m_out = compat.sym_int(32) if algo == "reducescatter" else m
     x, res, res_out, w, y, q, s, scale, gs = fake_norm_quant_args(cdtype, hidden, quant, has_residual,
-                                                                  write_y, m)
-    ar = fake_rows(cdtype, hidden, m) if write_allreduce else None
+                                                                  write_y, m_out)
+    if algo == "reducescatter":
+        x = fake_rows(cdtype, hidden, m)
+    ar = fake_rows(cdtype, hidden, m_out) if write_allreduce else None
     nptr = world * ALGORITHMS[algo].ptr_tables
     bufp = compat.make_fake_tensor(cutlass.Int64, (nptr,), (1,), assumed_align=8)
     sigp = compat.make_fake_tensor(cutlass.Int64, (world,), (1,), assumed_align=8)

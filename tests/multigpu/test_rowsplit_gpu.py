@@ -1,7 +1,7 @@
 """The torch.distributed (NCCL) path on GPUs, forced with Workspace(backend="none") as on a group
 that spans nodes: every output bitwise the peer kernels' (every format, several M, every
-algorithm on the peer side), and the sequence-parallel ops' shards and gathers bitwise
-allreduce_add_rmsnorm's."""
+algorithm on the peer side); and the sequence-parallel ops, by NCCL and by the reducescatter
+kernel: shards and gathers bitwise allreduce_add_rmsnorm's, shard scales equal between the two."""
 from __future__ import annotations
 
 import os
@@ -64,14 +64,25 @@ def _body() -> None:
                         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), \
                             f"{name} M={M} {algo}: {field} differs from the peer path"
                 a, b = distnorm.shard_rows(M, nccl)
-                shard = distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, 1e-6, workspace=nccl,
-                                                            gather=True, **kw)
-                assert torch.equal(shard.residual, want.residual[a:b]), f"{name} M={M} shard h"
-                if quant is not None:
-                    assert torch.equal(_bytes(shard.q), _bytes(want.q)), f"{name} M={M} gathered q"
-                    if quant != "fp8":
-                        assert torch.equal(_bytes(shard.scales), _bytes(want.scales)), \
-                            f"{name} M={M} gathered scales"
+                shards = {}
+                for label, ws in (("nccl", nccl), ("kernel", peer)):  # peer: reducescatter kernel
+                    shards[label] = distnorm.reduce_scatter_add_rmsnorm(
+                        x, res[a:b], w, 1e-6, workspace=ws, norm_out=True, **kw)
+                    full = distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, 1e-6, workspace=ws,
+                                                               gather=True, **kw)
+                    tag = f"{name} M={M} {label}"
+                    assert torch.equal(shards[label].residual, want.residual[a:b]), tag + " shard h"
+                    assert torch.equal(shards[label].y, want.y[a:b]), tag + " shard y"
+                    if quant is not None:
+                        assert torch.equal(_bytes(full.q), _bytes(want.q)), tag + " gathered q"
+                        assert torch.equal(_bytes(shards[label].q), _bytes(want.q[a:b])), tag
+                        if quant != "fp8":
+                            assert torch.equal(_bytes(full.scales), _bytes(want.scales)), \
+                                tag + " gathered scales"
+                for field in ("scales",):  # the shard's own layout (swizzled for its rows)
+                    sa, sb = getattr(shards["nccl"], field), getattr(shards["kernel"], field)
+                    assert (sa is None) == (sb is None) and (sa is None or torch.equal(
+                        _bytes(sa), _bytes(sb))), f"{name} M={M}: shard scales differ"
         torch.cuda.synchronize()
     try:
         gathered_check(boot, check)

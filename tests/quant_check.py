@@ -20,6 +20,16 @@ from distnorm.demo.check import MATCH_FRACTION, scales_problem, y_problem  # the
 from distnorm.reference import dequantize
 
 
+def quant_kwargs(quant, opts: dict, device="cpu") -> dict:
+    """The op keywords of a format variant: quant, its options, and the scalar it needs (static
+    FP8 scale 0.05, NVFP4 global scale 448 * 6 / 12)."""
+    kw = dict(quant=quant, **opts)
+    if quant == "fp8":
+        kw["scale"] = torch.tensor([0.05], device=device)
+    if quant == "nvfp4":
+        kw["global_scale"] = torch.tensor([448 * 6 / 12.0], device=device)
+    return kw
+
 
 def poison_like(t: torch.Tensor) -> torch.Tensor:
     """Fill with NaN (floats) or 0xFF bytes (fp8 NaN, fp4 -0/-6 codes) so unwritten elements are caught."""

@@ -27,18 +27,14 @@ def _body() -> None:
     import distnorm
     from distnorm import formats
     from distnorm.reference import allreduce_add_rmsnorm_ref
-    from quant_check import poison_like
+    from quant_check import poison_like, quant_kwargs
 
     rank, world = dist.get_rank(), dist.get_world_size()
     # 4 KiB of buffer = 8 rows of H=256 bf16 per chunk: M=130 takes 17 chunks
     ws = distnorm.Workspace(dist.group.WORLD, device="cpu", buffer_bytes=4096)
     w = (torch.rand(H, generator=torch.Generator().manual_seed(0)) + 0.5).to(torch.bfloat16)
     for name, quant, opts in formats.format_variants():
-        kw = dict(quant=quant, **opts)
-        if quant == "fp8":
-            kw["scale"] = torch.tensor([0.05])
-        if quant == "nvfp4":
-            kw["global_scale"] = torch.tensor([448 * 6 / 12.0])
+        kw = quant_kwargs(quant, opts)
         spec = formats.make_quant_spec(quant, **opts)
         for M in (1, 5, 130):
             g = torch.Generator().manual_seed(M * 7 + rank)

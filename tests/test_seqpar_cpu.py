@@ -26,16 +26,13 @@ def _body() -> None:
 
     import distnorm
     from distnorm import formats
+    from quant_check import quant_kwargs
 
     rank = dist.get_rank()
     ws = distnorm.Workspace(dist.group.WORLD, device="cpu")
     w = (torch.rand(H, generator=torch.Generator().manual_seed(0)) + 0.5).to(torch.bfloat16)
     for name, quant, opts in formats.format_variants():
-        kw = dict(quant=quant, **opts)
-        if quant == "fp8":
-            kw["scale"] = torch.tensor([0.05])
-        if quant == "nvfp4":
-            kw["global_scale"] = torch.tensor([448 * 6 / 12.0])
+        kw = quant_kwargs(quant, opts)
         for M in (0, 1, 5, 130):
             x = (torch.randn(M, H, generator=torch.Generator().manual_seed(M + 17 * rank)) * 2
                  ).to(torch.bfloat16)

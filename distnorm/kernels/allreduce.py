@@ -189,6 +189,21 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
         if const_expr(self.has_residual):
             self.core.store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype)
 
+    @cute.jit
+    def _reduce_row(self, rH, rR, rT, mX, mR, mRout, mAR, base: Int64, slot_elems: Int64,
+                    slot_row: Int32, x_row: Int32, out_row: Int32, row_valid,
+                    rank: Int32, lane: Int32, dtype: cutlass.Constexpr):
+        """rH <- the ordered float32 sum of row `slot_row` of the local slots (my own part from x's
+        row `x_row`), then h with the residual of row `out_row`, written to residual_out /
+        allreduce_out row `out_row` (_finish_row); zeros when not row_valid."""
+        rH.fill(0.0)
+        if row_valid:
+            if const_expr(self.has_residual):
+                self.core.load_row(rR, cute.zipped_divide(mR[out_row, None], (VEC,)), lane)
+            self._sum_slots(rH, rT, base, slot_elems, Int64(slot_row) * Int64(self.t.hidden),
+                            self._row_addr(mX, x_row), rank, lane)
+            self._finish_row(rH, rR, mAR, mRout, out_row, lane, dtype)
+
     @staticmethod
     def _row_addr(mT, row) -> Int64:
         """Byte address of row `row` of a [M, H] tensor."""
@@ -282,13 +297,8 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
         for g in range(bidx, groups, nblk):
             row = g * t.rows_per_cta + row_in_cta
             row_valid = row < m
-            rH.fill(0.0)
-            if row_valid:
-                if const_expr(self.has_residual):
-                    self.core.load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
-                self._sum_slots(rH, rT, base, slot_elems, Int64(row) * hidden,
-                                self._row_addr(mX, row), rank, lane)
-                self._finish_row(rH, rR, mAR, mRout, row, lane, dtype)
+            self._reduce_row(rH, rR, rT, mX, mR, mRout, mAR, base, slot_elems, row, row, row,
+                             row_valid, rank, lane, dtype)
             self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW,
                                mY, mQ, mS, static_inv, global_scale, bufs, rW)
             cute.arch.barrier()  # the next group's reductions reuse the shared-memory partials
@@ -342,13 +352,8 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
         for g in range(bidx, groups, nblk):
             i = g * t.rows_per_cta + row_in_cta
             row_valid = i < local
-            rH.fill(0.0)
-            if row_valid:
-                if const_expr(self.has_residual):
-                    self.core.load_row(rR, cute.zipped_divide(mR[i, None], (VEC,)), lane)
-                self._sum_slots(rH, rT, base, slot_elems, Int64(i) * hidden,
-                                self._row_addr(mX, rank * slice_rows + i), rank, lane)
-                self._finish_row(rH, rR, mAR, mRout, i, lane, dtype)
+            self._reduce_row(rH, rR, rT, mX, mR, mRout, mAR, base, slot_elems, i,
+                             rank * slice_rows + i, i, row_valid, rank, lane, dtype)
             self.core.epilogue(rH, i, row_valid, i < rows, lane, row_in_cta, eps, mW, mY, mQ, mS,
                                static_inv, global_scale, bufs, rW)
             cute.arch.barrier()  # shared-memory partials are reused by the next row

@@ -20,15 +20,6 @@ QUANTS = {"none": (None, {}), "fp8": ("fp8", {}), "fp8_per_token": ("fp8_per_tok
           "nvfp4": ("nvfp4", {}), "mxfp4_linear": ("mxfp4", {"sf_layout": "linear"})}
 
 
-def _kw(quant, opts):
-    kw = dict(quant=quant, **opts)
-    if quant == "fp8":
-        kw["scale"] = torch.tensor([0.05], device="cuda")
-    if quant == "nvfp4":
-        kw["global_scale"] = torch.tensor([448 * 6 / 12.0], device="cuda")
-    return kw
-
-
 def _bytes(t):
     return None if t is None else t.reshape(-1).contiguous().view(torch.uint8)
 
@@ -36,6 +27,7 @@ def _bytes(t):
 def _body() -> None:
     import distnorm
     from distnorm.comm import resolve_bootstrap
+    from quant_check import quant_kwargs
 
     boot = resolve_bootstrap(None)
     peer = distnorm.Workspace(buffer_bytes=32 << 20)
@@ -47,7 +39,7 @@ def _body() -> None:
         w = (torch.rand(H, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
              + 0.5).to(torch.bfloat16)
         for name, (quant, opts) in QUANTS.items():
-            kw = _kw(quant, opts)
+            kw = quant_kwargs(quant, opts, "cuda")
             for M in (1, 130, 2000):
                 g = torch.Generator("cuda").manual_seed(M * 13 + peer.rank)
                 x = (torch.randn(M, H, device="cuda", generator=g) * 2).to(torch.bfloat16)

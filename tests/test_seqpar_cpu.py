@@ -59,6 +59,19 @@ def _body() -> None:
             s = distnorm.all_gather_scales(shard.scales, workspace=ws, rows=M, hidden=H,
                                            quant=quant, **opts_s)
             _same(s, full.scales, what + " all_gather_scales")
+    # under torch.compile(fullgraph=True): the torch.library op, same bits as eager
+    x = torch.randn(2, 5, H).to(torch.bfloat16)
+    a, b = distnorm.shard_rows(10, ws)
+    r = torch.randn(b - a, H).to(torch.bfloat16)
+    for quant, gather in (("fp8_per_token", True), ("nvfp4", False), (None, True)):
+        kw = quant_kwargs(quant, {})
+
+        def f(x, r):
+            return distnorm.reduce_scatter_add_rmsnorm(x, r, w, 1e-6, workspace=ws, gather=gather,
+                                                       norm_out=True, **kw)
+        eager, compiled = f(x, r), torch.compile(f, fullgraph=True)(x, r)
+        for field in ("residual", "y", "q", "scales"):
+            _same(getattr(compiled, field), getattr(eager, field), f"compiled {quant} {field}")
     with pytest.raises(ValueError, match="residual must have shape"):
         distnorm.reduce_scatter_add_rmsnorm(torch.zeros(8, H, dtype=torch.bfloat16),
                                             torch.zeros(8, H, dtype=torch.bfloat16), w,

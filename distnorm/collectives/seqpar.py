@@ -27,12 +27,14 @@ from torch import Tensor
 
 from distnorm.args import (DTYPE_NAMES, allocate_outputs, check_eps, check_rows, checked_mode,
                            kernel_views, returned_scales)
+from distnorm.collectives.ops import _handle, _workspace
 from distnorm.collectives.faults import raise_if_failed
 from distnorm.collectives.rowsplit import (gather_rows, reduce_rows, scales_to_layout,
                                            scales_to_linear, slice_bounds, slice_epilogue)
 from distnorm.comm.workspace import Workspace
 from distnorm.formats import (MAX_HIDDEN, MIN_HIDDEN, NormQuantOutput, QuantSpec, check_hidden,
-                              empty_scales, kernel_spec, make_quant_spec, scales_geometry)
+                              empty_scales, kernel_spec, make_quant_spec, q_dtype, q_shape,
+                              scales_geometry, spec_code)
 from distnorm.rows import as_rows
 
 __all__ = ["reduce_scatter_add_rmsnorm", "all_gather", "all_gather_scales", "shard_rows"]
@@ -97,6 +99,23 @@ def reduce_scatter_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Te
         check_rows("residual", residual, x2, (stop - start, H))
     if not isinstance(weight, Tensor) or tuple(weight.shape) != (H,) or weight.dtype != x2.dtype:
         raise ValueError(f"weight must be a [{H}] tensor of x's dtype {x2.dtype}")
+    if torch.compiler.is_compiling():
+        h, y, q, s = _reduce_scatter_op(x2, residual, weight, float(eps), spec_code(spec), scale,
+                                        global_scale, gemma, norm_out, gather, _handle(workspace))
+        return NormQuantOutput(h if residual is not None else None,
+                               y if norm_out or spec is None else None,
+                               q if spec is not None else None,
+                               returned_scales(spec, scale, s if spec is not None else None), None)
+    return _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, gather,
+                workspace)
+
+
+def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, gather,
+         workspace) -> NormQuantOutput:
+    """reduce_scatter_add_rmsnorm on checked, 2-D arguments."""
+    group, world, rank = _group_of(workspace)
+    M, H = x2.shape
+    start, stop = slice_bounds(M, world, rank)
     want_y = norm_out or spec is None
     local = stop - start
     has_scales = spec is not None and scales_geometry(spec, M, H) is not None
@@ -116,6 +135,45 @@ def reduce_scatter_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Te
     y = None if out.y is None else gather_rows(out.y, M, group)
     s = _in_layout(gather_rows(linear, M, group), spec, M, H) if has_scales else out.scales
     return NormQuantOutput(out.residual, y, q, s if spec is not None else None, None)
+
+
+def _output_specs(x: Tensor, residual, spec, norm_out: bool, gather: bool, world: int, rank: int):
+    """(shape, stride, dtype) of (h, y, q, scales) as _reduce_scatter_op returns them; (0,) when
+    absent (static FP8's scales included: the caller's tensor)."""
+    M, H = x.shape
+    start, stop = slice_bounds(M, world, rank)
+    rows = M if gather else stop - start
+    none = ((0,), (1,), x.dtype)
+    h = ((stop - start, H), (H, 1), x.dtype) if residual is not None else none
+    y = ((rows, H), (H, 1), x.dtype) if norm_out or spec is None else none
+    if spec is None:
+        return h, y, none, none
+    qs = q_shape(spec, rows, H)
+    geo = scales_geometry(spec, rows, H)
+    return h, y, (qs, (qs[1], 1), q_dtype(spec)), (geo if geo is not None else none)
+
+
+@torch.library.custom_op("distnorm::reduce_scatter_add_rmsnorm", mutates_args=())
+def _reduce_scatter_op(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
+                       quant: str, scale: Optional[Tensor], global_scale: Optional[Tensor],
+                       gemma: bool, norm_out: bool, gather: bool, workspace: int
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The op under torch.compile (functional: absent outputs are empty tensors)."""
+    ws = _workspace(workspace)
+    spec = QuantSpec.from_code(quant)
+    out = _run(x, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, gather, ws)
+    specs = _output_specs(x, residual, spec, norm_out, gather, ws.world_size, ws.rank)
+    got = (out.residual, out.y, out.q, None if spec is None or spec.kind == "fp8" else out.scales)
+    return tuple(x.new_empty(0, dtype=d) if t is None else t
+                 for t, (_, _, d) in zip(got, specs))
+
+
+@_reduce_scatter_op.register_fake
+def _(x, residual, weight, eps, quant, scale, global_scale, gemma, norm_out, gather, workspace):
+    ws = _workspace(workspace)
+    specs = _output_specs(x, residual, QuantSpec.from_code(quant), norm_out, gather,
+                          ws.world_size, ws.rank)
+    return tuple(x.new_empty_strided(shape, stride, dtype=d) for shape, stride, d in specs)
 
 
 def _kernel_fits(ws: Workspace, x: Tensor) -> bool:

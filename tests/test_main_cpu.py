@@ -222,11 +222,8 @@ def test_table_timing_columns_and_speedup():
 
 # --- the multi-GPU rank body on gloo ranks ----------------------------------------------------
 def _cpu_workspace(group):
-    """A Workspace without peer mappings (CPU): the op takes its all-gather + reference path."""
-    ws = Workspace.__new__(Workspace)
-    ws.__dict__.update(_closed=False, _impl=None, _op_state={}, group=group,
-                       fallback_reason="CPU stand-in")
-    return ws
+    """A CPU workspace: the op takes its torch.distributed (gloo) + reference path."""
+    return Workspace(group, device="cpu")
 
 
 def _rank_body(cfg, cases, path, corrupt_rank):
@@ -253,7 +250,7 @@ def test_rank_main_on_gloo_ranks(tmp_path, capfd, corrupt_rank):
     with open(path) as f:
         assert json.load(f) == {"failures": 0 if corrupt_rank < 0 else 3}
     out = capfd.readouterr().out
-    assert "[3/3] nvfp4_swizzled: " in out and "no peer mappings (CPU stand-in)" in out
+    assert "[3/3] nvfp4_swizzled: " in out and "no peer mappings (CPU workspace" in out
     if corrupt_rank < 0:
         assert "all 3 all-reduce variants on 2 ranks match" in out
     else:  # rank 0's outputs are right, rank 1's are not: every rank reports the failure

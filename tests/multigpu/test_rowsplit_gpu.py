@@ -76,8 +76,30 @@ def _body() -> None:
                     assert (sa is None) == (sb is None) and (sa is None or torch.equal(
                         _bytes(sa), _bytes(sb))), f"{name} M={M}: shard scales differ"
         torch.cuda.synchronize()
+
+    def graphs():  # the sequence-parallel op replays in a CUDA graph, both paths
+        H, M = 4096, 300
+        w = torch.ones(H, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(M, H, device="cuda").to(torch.bfloat16)
+        a, b = distnorm.shard_rows(M, peer)
+        r = torch.randn(b - a, H, device="cuda").to(torch.bfloat16)
+        for ws in (peer, nccl):
+            def f():
+                return distnorm.reduce_scatter_add_rmsnorm(x, r, w, workspace=ws,
+                                                           quant="fp8_per_token", gather=True)
+            want = f()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                got = f()
+            for _ in range(3):
+                g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(_bytes(got.q), _bytes(want.q)) and torch.equal(got.scales, want.scales)
+            assert torch.equal(got.residual, want.residual)
     try:
         gathered_check(boot, check)
+        gathered_check(boot, graphs)
     finally:
         peer.close()
         nccl.close()

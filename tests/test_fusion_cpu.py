@@ -37,6 +37,9 @@ def _model(kind: str, w: torch.Tensor, scale: torch.Tensor):
             return (h, y, *fp8_per_token_quant(y))
         if kind == "not_rmsnorm":  # layer norm: left alone
             return h, F.layer_norm(h, (H,))
+        if kind == "inner_used":  # the variance is also an output: the chain cannot go
+            var = h.float().pow(2).mean(-1, keepdim=True)
+            return h, (h.float() * torch.rsqrt(var + 1e-6)).to(h.dtype) * w, var
         return h, y
     return f
 
@@ -45,7 +48,7 @@ KINDS = {  # kind -> (sites the pass must fuse, distnorm options of the fused ca
     "plain": (1, dict()), "residual_first": (1, dict()), "llama": (1, dict()),
     "no_residual": (1, dict()), "static": (1, dict(quant="fp8")),
     "per_token": (1, dict(quant="fp8_per_token")), "y_and_quant": (1, dict(quant="fp8_per_token")),
-    "not_rmsnorm": (0, dict()),
+    "not_rmsnorm": (0, dict()), "inner_used": (0, dict()),
 }
 
 
@@ -107,6 +110,19 @@ def _body() -> None:
                 assert torch.equal(got[qi + 1], ref.scales.view(2, 3, 1)), kind
             if kind == "y_and_quant":
                 assert torch.equal(got[1], ref.y), kind
+    # a workspace of another group: the WORLD all-reduce is seen, and left alone with the reason
+    pair = dist.new_group([0, 1])
+    other = distnorm.Workspace(pair, device="cpu")
+    fusion = allreduce_fusion_pass(other)
+    torch._dynamo.reset()
+    torch._inductor.config.post_grad_custom_pre_pass = fusion
+    try:
+        torch.compile(_model("plain", w, scale), fullgraph=True)(x.clone(), residual)
+    finally:
+        torch._inductor.config.post_grad_custom_pre_pass = None
+    assert not fusion.fused and len(fusion.skipped) == 1 and "no distnorm workspace" in \
+        fusion.skipped[0], fusion.skipped
+    other.close()
     ws.close()
 
 

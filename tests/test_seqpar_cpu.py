@@ -72,6 +72,11 @@ def _body() -> None:
         eager, compiled = f(x, r), torch.compile(f, fullgraph=True)(x, r)
         for field in ("residual", "y", "q", "scales"):
             _same(getattr(compiled, field), getattr(eager, field), f"compiled {quant} {field}")
+    bad = torch.zeros(8, H, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="scale"):  # static FP8 without its scale
+        distnorm.reduce_scatter_add_rmsnorm(bad, None, w, workspace=ws, quant="fp8")
+    with pytest.raises(ValueError, match="weight"):
+        distnorm.reduce_scatter_add_rmsnorm(bad, None, w[:128], workspace=ws)
     with pytest.raises(ValueError, match="residual must have shape"):
         distnorm.reduce_scatter_add_rmsnorm(torch.zeros(8, H, dtype=torch.bfloat16),
                                             torch.zeros(8, H, dtype=torch.bfloat16), w,

@@ -25,16 +25,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from distnorm.args import (DTYPE_NAMES, allocate_outputs, check_eps, check_rows, checked_mode,
-                           kernel_views, returned_scales)
+from distnorm.args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows,
+                           checked_mode, kernel_views, returned_scales)
 from distnorm.collectives.ops import _handle, _workspace
 from distnorm.collectives.faults import raise_if_failed
 from distnorm.collectives.rowsplit import (gather_rows, reduce_rows, scales_to_layout,
                                            scales_to_linear, slice_bounds, slice_epilogue)
 from distnorm.comm.workspace import Workspace
-from distnorm.formats import (MAX_HIDDEN, MIN_HIDDEN, NormQuantOutput, QuantSpec, check_hidden,
-                              empty_scales, kernel_spec, make_quant_spec, q_dtype, q_shape,
-                              scales_geometry, spec_code)
+from distnorm.formats import (NormQuantOutput, QuantSpec, empty_scales, kernel_spec,
+                              make_quant_spec, q_dtype, q_shape, scales_geometry, spec_code)
 from distnorm.rows import as_rows
 
 __all__ = ["reduce_scatter_add_rmsnorm", "all_gather", "all_gather_scales", "shard_rows"]
@@ -85,20 +84,14 @@ def reduce_scatter_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Te
     shard). Options as allreduce_add_rmsnorm."""
     group, world, rank = _group_of(workspace)
     x2 = as_rows("x", x)
-    check_rows("x", x2, None, x2.shape)
-    M, H = x2.shape
-    if H % 8 or not MIN_HIDDEN <= H <= MAX_HIDDEN:
-        raise ValueError(f"x's last dim H must be a multiple of 8 in [{MIN_HIDDEN}, {MAX_HIDDEN}], "
-                         f"got {H}")
     spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
                            scale_major=scale_major, scale_ue8m0=scale_ue8m0)
-    check_hidden(spec, H)
-    check_eps(eps)
+    # x, weight, eps and the format's scalar as every op checks them (the residual is a shard)
+    check_op_inputs(x2, None, weight, spec, scale, global_scale, eps)
+    M, H = x2.shape
     start, stop = slice_bounds(M, world, rank)
     if residual is not None:
         check_rows("residual", residual, x2, (stop - start, H))
-    if not isinstance(weight, Tensor) or tuple(weight.shape) != (H,) or weight.dtype != x2.dtype:
-        raise ValueError(f"weight must be a [{H}] tensor of x's dtype {x2.dtype}")
     if torch.compiler.is_compiling():
         h, y, q, s = _reduce_scatter_op(x2, residual, weight, float(eps), spec_code(spec), scale,
                                         global_scale, gemma, norm_out, gather, _handle(workspace))

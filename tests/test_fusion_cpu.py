@@ -28,6 +28,8 @@ def _model(kind: str, w: torch.Tensor, scale: torch.Tensor):
         h = x + residual if kind != "residual_first" else residual + x
         if kind == "llama":
             return h, rms_norm_llama(h, w, 1e-5)
+        if kind == "fused_op":  # F.rms_norm as the single aten op some backends keep
+            return h, torch.ops.aten._fused_rms_norm(h, [H], w, 1e-6)[0]
         y = F.rms_norm(h, (H,), w, 1e-6)
         if kind == "static":
             return h, fp8_static_quant(y, scale)
@@ -46,6 +48,7 @@ def _model(kind: str, w: torch.Tensor, scale: torch.Tensor):
 
 KINDS = {  # kind -> (sites the pass must fuse, distnorm options of the fused call)
     "plain": (1, dict()), "residual_first": (1, dict()), "llama": (1, dict()),
+    "fused_op": (1, dict()),
     "no_residual": (1, dict()), "static": (1, dict(quant="fp8")),
     "per_token": (1, dict(quant="fp8_per_token")), "y_and_quant": (1, dict(quant="fp8_per_token")),
     "not_rmsnorm": (0, dict()), "inner_used": (0, dict()),
@@ -101,7 +104,7 @@ def _body() -> None:
             assert torch.equal(got[0], ref.y)
         else:
             assert torch.equal(got[0], ref.residual), kind
-        if kind in ("plain", "residual_first", "llama"):
+        if kind in ("plain", "residual_first", "llama", "fused_op"):
             assert torch.equal(got[1], ref.y), kind
         if kind in ("static", "per_token", "y_and_quant"):
             qi = 2 if kind == "y_and_quant" else 1
@@ -128,3 +131,29 @@ def _body() -> None:
 
 def test_fusion_pass_on_toy_tp_graphs():
     spawn(_body, 2, timeout_s=600, cpu_only=True)
+
+
+def test_matcher_on_a_graph_that_keeps_fused_rms_norm_whole():
+    """Where Inductor keeps F.rms_norm as one aten._fused_rms_norm node (here built by hand: the
+    CPU build decomposes it), the matcher still finds the site."""
+    import operator
+
+    import torch.fx as fx
+
+    from distnorm.fusion.match import find_sites
+
+    g = fx.Graph()
+    x, res, w = (g.placeholder(n) for n in ("x", "res", "w"))
+    vals = {x: torch.empty(4, H, dtype=torch.bfloat16), res: torch.empty(4, H, dtype=torch.bfloat16),
+            w: torch.empty(H, dtype=torch.bfloat16)}
+    for node, v in vals.items():
+        node.meta["val"] = v
+    ar = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))
+    t = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (ar,))
+    h = g.call_function(torch.ops.aten.add.Tensor, (t, res))
+    norm = g.call_function(torch.ops.aten._fused_rms_norm.default, (h, [H], w, 1e-6))
+    y = g.call_function(operator.getitem, (norm, 0))
+    g.output((h, y))
+    sites = find_sites(g)
+    assert len(sites) == 1 and sites[0].y is y and sites[0].weight is w and sites[0].eps == 1e-6
+    assert sites[0].residual is res and sites[0].inner == [norm]

@@ -10,6 +10,7 @@ torch.nn.functional.rms_norm, bf16/fp16 activations):
     hf = convert(h, f32); ms = mean(hf ** 2 | hf * hf, [-1], keepdim); r = rsqrt(ms + eps)
     n  = hf * r;  y = convert(n * w, T)  (weight before the cast, F.rms_norm)
               or  y = convert(n, T) * w  (weight after the cast, Llama)
+         or y = aten._fused_rms_norm(h, [H], w, eps)[0]  (F.rms_norm where Inductor keeps it whole)
     static FP8:    q = convert(clamp(yf / scale, -448, 448), e4m3)
     per-token FP8: s = clamp_min(amax(|yf|, [-1], keepdim), 1e-10) / 448;
                    q = convert(clamp(yf / s, -448, 448), e4m3)
@@ -17,6 +18,7 @@ with yf = convert(y, f32) or y itself. A chain whose inner values are used elsew
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -148,8 +150,34 @@ def _match_quant(site: Site, y: fx.Node) -> None:
                 return
 
 
+_FUSED_RMS_NORM = getattr(aten, "_fused_rms_norm", None)
+
+
+def _match_fused_op(h: fx.Node, x_val) -> Optional[dict]:
+    """F.rms_norm kept as one aten._fused_rms_norm node (y = getitem 0; rstd unused)."""
+    if _FUSED_RMS_NORM is None:
+        return None
+    for node in h.users:
+        if not _is(node, _FUSED_RMS_NORM.default) or node.args[0] is not h:
+            continue
+        shape, w = list(node.args[1]), node.args[2] if len(node.args) > 2 else None
+        eps = _number(node.args[3]) if len(node.args) > 3 else None
+        users = list(node.users)
+        y = users[0] if len(users) == 1 and _is(users[0], operator.getitem) \
+            and users[0].args[1] == 0 else None
+        wv = _val(w) if isinstance(w, fx.Node) else None
+        if (y is None or eps is None or shape != [x_val.shape[-1]] or wv is None
+                or tuple(wv.shape) != (x_val.shape[-1],) or wv.dtype != x_val.dtype):
+            continue
+        return dict(weight=w, eps=eps, y=y, inner=[node], after=False)
+    return None
+
+
 def _match_norm(t: fx.Node, h: fx.Node, x_val) -> Optional[dict]:
-    """RMSNorm reading h: dict(hf, weight, eps, y, inner, after) or None."""
+    """RMSNorm reading h: dict(weight, eps, y, inner, after) or None."""
+    fused = _match_fused_op(h, x_val)
+    if fused is not None:
+        return fused
     dtype = x_val.dtype
     for hf in [u for u in h.users if _convert(u, torch.float32)]:
         sq = next((u for u in hf.users if (_is(u, aten.pow.Tensor_Scalar) and u.args[1] == 2)

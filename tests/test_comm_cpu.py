@@ -582,7 +582,16 @@ def _body_workspace_end_to_end() -> None:
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) == fds_before
 
-    # an explicit backend that fails raises; auto falls back with the reason
+    # an explicit backend that fails raises; auto falls back with the reason. torch symmetric
+    # memory and nvshmem are made to fail here: with torch.cuda faked to 2 devices, the real ones
+    # on a 1-GPU machine hang (seen on an H200, 2026-11-23: the test ran into its 60 s limit)
+    import distnorm.comm.torch_symm as torch_symm
+
+    class _Unavailable:
+        def __init__(self, *args, **kwargs):
+            raise BackendUnavailable("torch symmetric memory is not faked in this test")
+    import distnorm.comm.nvshmem as nvshmem
+    torch_symm.TorchSymmAllocation = nvshmem.NvshmemAllocation = _Unavailable
     with pytest.raises(RuntimeError, match="backend 'torch_symm' failed"):
         Workspace(backend="torch_symm", buffer_bytes=4096)
     fake.fail_create = True

@@ -157,3 +157,44 @@ def test_matcher_on_a_graph_that_keeps_fused_rms_norm_whole():
     sites = find_sites(g)
     assert len(sites) == 1 and sites[0].y is y and sites[0].weight is w and sites[0].eps == 1e-6
     assert sites[0].residual is res and sites[0].inner == [norm]
+
+
+def test_matcher_when_the_bf16_round_trip_of_y_was_dropped():
+    """torch 2.11's Inductor turns convert(convert(n * w, bf16), f32) into convert(n * w, f32) when
+    only a quantizer reads y (seen on an H200 machine): fused only with that quantizer."""
+    import torch.fx as fx
+
+    from distnorm.fusion.match import find_sites
+
+    aten, prims = torch.ops.aten, torch.ops.prims
+    for with_quant in (True, False):
+        g = fx.Graph()
+        x, res, w, scale = (g.placeholder(n) for n in ("x", "res", "w", "scale"))
+        for node, v in ((x, torch.empty(4, H, dtype=torch.bfloat16)),
+                        (res, torch.empty(4, H, dtype=torch.bfloat16)),
+                        (w, torch.empty(H, dtype=torch.bfloat16)), (scale, torch.empty(1))):
+            node.meta["val"] = v
+        ar = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))
+        t = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (ar,))
+        h = g.call_function(aten.add.Tensor, (t, res))
+        hf = g.call_function(prims.convert_element_type.default, (h, torch.float32))
+        sq = g.call_function(aten.pow.Tensor_Scalar, (hf, 2))
+        ms = g.call_function(aten.mean.dim, (sq, [1], True))
+        a = g.call_function(aten.add.Scalar, (ms, 1e-6))
+        r = g.call_function(aten.rsqrt.default, (a,))
+        n = g.call_function(aten.mul.Tensor, (hf, r))
+        nw = g.call_function(aten.mul.Tensor, (n, w))
+        yf = g.call_function(prims.convert_element_type.default, (nw, torch.float32))
+        if with_quant:
+            d = g.call_function(aten.div.Tensor, (yf, scale))
+            lo = g.call_function(aten.clamp_min.default, (d, -448.0))
+            hi = g.call_function(aten.clamp_max.default, (lo, 448.0))
+            q = g.call_function(prims.convert_element_type.default, (hi, torch.float8_e4m3fn))
+            g.output((h, q))
+        else:
+            g.output((h, yf))
+        sites = find_sites(g)
+        if with_quant:
+            assert len(sites) == 1 and sites[0].quant == "fp8" and sites[0].q is q
+        else:
+            assert sites == []  # a float32 y read by anything else cannot come from distnorm

@@ -104,7 +104,7 @@ class AllReduceFusionPass(CustomGraphPass):
         want_h = site.residual is not None
         wait_users = [u for u in site.wait.users if u not in chain]
         y_users = [u for u in site.y.users if u not in chain]
-        norm_out = site.quant is None or bool(y_users)
+        norm_out = site.quant is None or bool(y_users)  # (a float32-only y has none: match.py)
         allreduce_out = bool(wait_users)
         spec = make_quant_spec(site.quant)
         args = (site.x, site.residual, site.weight, site.eps, spec_code(spec), site.scale,

@@ -11,6 +11,7 @@ torch.nn.functional.rms_norm, bf16/fp16 activations):
     n  = hf * r;  y = convert(n * w, T)  (weight before the cast, F.rms_norm)
               or  y = convert(n, T) * w  (weight after the cast, Llama)
          or y = aten._fused_rms_norm(h, [H], w, eps)[0]  (F.rms_norm where Inductor keeps it whole)
+         or yf = convert(n * w, f32) feeding the quantizer directly (torch 2.11 drops the T round trip)
     static FP8:    q = convert(clamp(yf / scale, -448, 448), e4m3)
     per-token FP8: s = clamp_min(amax(|yf|, [-1], keepdim), 1e-10) / 448;
                    q = convert(clamp(yf / s, -448, 448), e4m3)
@@ -169,7 +170,7 @@ def _match_fused_op(h: fx.Node, x_val) -> Optional[dict]:
         if (y is None or eps is None or shape != [x_val.shape[-1]] or wv is None
                 or tuple(wv.shape) != (x_val.shape[-1],) or wv.dtype != x_val.dtype):
             continue
-        return dict(weight=w, eps=eps, y=y, inner=[node], after=False)
+        return dict(weight=w, eps=eps, y=y, inner=[node], after=False, y_float=False)
     return None
 
 
@@ -198,10 +199,14 @@ def _match_norm(t: fx.Node, h: fx.Node, x_val) -> Optional[dict]:
         nxt = _only_user(n, aten.mul.Tensor, prims.convert_element_type.default)
         if nxt is None:
             continue
+        y_float = False
         if _is(nxt, aten.mul.Tensor):  # weight before the cast
             w = _other(nxt, n)
             y = _only_user(nxt, prims.convert_element_type.default)
-            if y is None or y.args[1] != dtype:
+            # convert(n * w, float32): Inductor dropped the T round trip of a y whose only reader
+            # quantizes it (torch 2.11); fusable only together with that quantization
+            y_float = y is not None and y.args[1] == torch.float32
+            if y is None or (y.args[1] != dtype and not y_float):
                 continue
             inner.append(nxt)
             after = False
@@ -215,7 +220,7 @@ def _match_norm(t: fx.Node, h: fx.Node, x_val) -> Optional[dict]:
         wv = _val(w) if isinstance(w, fx.Node) else None
         if y is None or wv is None or tuple(wv.shape) != (x_val.shape[-1],) or wv.dtype != dtype:
             continue
-        return dict(weight=w, eps=eps, y=y, inner=inner, after=after)
+        return dict(weight=w, eps=eps, y=y, inner=inner, after=after, y_float=y_float)
     return None
 
 
@@ -244,6 +249,10 @@ def _match_site(ar: fx.Node) -> Optional[Site]:
                     weight=norm["weight"], eps=norm["eps"], y=norm["y"],
                     weight_after_cast=norm["after"], inner=list(norm["inner"]))
         _match_quant(site, site.y)
+        if norm.get("y_float"):  # y exists only in float32: all of it must go into the quantizer
+            inner = set(site.inner)
+            if site.quant is None or any(u not in inner for u in site.y.users):
+                continue
         return site
     return None
 

@@ -94,9 +94,10 @@ def quantize_weight_fp8(weight: Tensor) -> tuple[Tensor, Tensor]:
     """Per-tensor FP8 of a linear weight [N, K]: (w_t, scale) with w_t float8_e4m3fn [K, N]
     column-major (the layout torch._scaled_mm reads as its second operand) and scale float32 [1]
     (weight ~= w_t.T * scale)."""
+    from distnorm.fusion.forms import fp8_static_quant  # (distnorm.fusion imports Inductor)
+
     s = (weight.float().abs().amax() / E4M3_MAX).clamp(min=1e-12).reshape(1)
-    w = (weight.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return w.t(), s
+    return fp8_static_quant(weight, s).t(), s
 
 
 def fp8_linear(q: Tensor, scales: Tensor, w_t: Tensor, w_scale: Tensor,

@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from distnorm.args import DTYPE_NAMES, check_rows_aligned, checked_mode, kernel_views
-from distnorm.collectives.faults import raise_if_failed
+from distnorm.args import DTYPE_NAMES, check_rows_aligned, kernel_views
+from distnorm.collectives.faults import after_launch, raise_if_failed
 from distnorm.collectives.plan import plan_launch
 from distnorm.collectives.state import state_of
 from distnorm.formats import QuantSpec, kernel_spec
@@ -69,9 +69,7 @@ def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, resid
                _rows(qv, a, b), _scale_rows(spec, sv, a, b, H), scale, global_scale,
                _rows(ar_out, a, b), ptrs, ws.signal_ptrs, err, ws.rank, ctas, float(eps),
                tuning.timeout_ns)
-    if checked_mode() and not torch.cuda.is_current_stream_capturing():
-        torch.cuda.current_stream(x.device).synchronize()  # this call's own error raises here
-        raise_if_failed(ws)
+    after_launch(ws, x.device)
 
 
 def gathered_sum(x: Tensor, group) -> Tensor:

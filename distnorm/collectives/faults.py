@@ -29,7 +29,7 @@ from distnorm.collectives.layout import (CALL_W_HOST_BARRIER, CALL_W_LAST, DESCR
 from distnorm.collectives.signature import CallDescriptor
 from distnorm.comm.errors import CommError, CommMismatchError, CommTimeoutError
 
-__all__ = ["failure", "raise_if_failed", "host_barrier", "read_descriptors", "HOST_BARRIER"]
+__all__ = ["failure", "raise_if_failed", "after_launch", "host_barrier", "read_descriptors", "HOST_BARRIER"]
 
 HOST_BARRIER = -2  # ERR_EPOCH of a timeout in host_barrier (kernels record an epoch >= 0 there)
 _WORD_FIELDS = ("M (rows of the launch)", "H", "dtype, outputs, algorithm or world size",
@@ -90,6 +90,16 @@ def raise_if_failed(ws) -> None:
     error = failure(ws)
     if error is not None:
         raise error
+
+
+def after_launch(ws, device) -> None:
+    """In checked mode (and not while capturing a CUDA graph): wait for this call's kernels and
+    raise their failure, so the failing call itself raises."""
+    from distnorm.args import checked_mode
+
+    if checked_mode() and not torch.cuda.is_current_stream_capturing():
+        torch.cuda.current_stream(device).synchronize()
+        raise_if_failed(ws)
 
 
 def _arrived(flag: int, epoch: int) -> bool:

@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 from distnorm.args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows,
-                           checked_mode, kernel_views, returned_scales)
+                           kernel_views, returned_scales)
 from distnorm.collectives.ops import _handle, _workspace
-from distnorm.collectives.faults import raise_if_failed
+from distnorm.collectives.faults import after_launch, raise_if_failed
 from distnorm.collectives.rowsplit import (gather_rows, reduce_rows, scales_to_layout,
                                            scales_to_linear, slice_bounds, slice_epilogue)
 from distnorm.comm.workspace import Workspace
@@ -205,9 +205,7 @@ def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scal
     kernel(x, residual, residual_out, weight, y_out, qv, sv, scale, global_scale, None,
            ws.buffer_ptrs, ws.signal_ptrs, ws.error_flag_device, ws.rank,
            state.grid_cap(x.device, x.shape[1], kspec, 0), float(eps), state.tuning.timeout_ns)
-    if checked_mode() and not torch.cuda.is_current_stream_capturing():
-        torch.cuda.current_stream(x.device).synchronize()
-        raise_if_failed(ws)
+    after_launch(ws, x.device)
     return NormQuantOutput(residual_out, y_out, q_out, returned_scales(spec, scale, scales_out),
                            None)
 

@@ -109,7 +109,7 @@ class AllReduceFusionPass(CustomGraphPass):
         spec = make_quant_spec(site.quant)
         args = (site.x, site.residual, site.weight, site.eps, spec_code(spec), site.scale,
                 norm_out, allreduce_out, _handle(self.by_group[site.group]), self.algo)
-        with graph.inserting_after(_last_input(graph, site)):
+        with graph.inserting_after(_last_input({n: i for i, n in enumerate(graph.nodes)}, site)):
             fused = graph.call_function(torch.ops.distnorm.fused_allreduce_add_rmsnorm.default, args)
         fused.meta["val"] = _fake_call(args)
         outs = []
@@ -145,7 +145,7 @@ def _fake_call(args):
 def _order_problem(graph: fx.Graph, site: Site) -> str:
     """Why the fused op cannot go after its last input (a replaced output is read before it)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    at = order[_last_input(graph, site)]
+    at = order[_last_input(order, site)]
     chain = set(site.inner) | {site.wait, site.h, site.y, site.q, site.scales}
     for out in chain - {None}:
         early = [u for u in out.users if u not in chain and order[u] <= at]
@@ -154,9 +154,8 @@ def _order_problem(graph: fx.Graph, site: Site) -> str:
     return ""
 
 
-def _last_input(graph: fx.Graph, site: Site) -> fx.Node:
-    """The latest of the fused op's inputs (and the all_reduce) in graph order."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
+def _last_input(order: dict, site: Site) -> fx.Node:
+    """The latest of the fused op's inputs (and the all_reduce) in graph order (node -> index)."""
     inputs = [n for n in (site.all_reduce, site.x, site.residual, site.weight, site.scale) if n]
     return max(inputs, key=order.__getitem__)
 

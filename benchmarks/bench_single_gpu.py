@@ -63,6 +63,9 @@ def main():
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--render", help="re-render the table and heatmap of a results JSON (no GPU)")
     ap.add_argument("--copy-tbs", type=float, help="copy bandwidth to compare against (TB/s)")
+    ap.add_argument("--Ms", type=int, nargs="+", help="row counts (default 1 .. 65536)")
+    ap.add_argument("--Hs", type=int, nargs="+", help="hidden sizes (default 1536 .. 32768)")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="default: all")
     args = ap.parse_args()
     if args.render:
         return render(args.render, args.copy_tbs)
@@ -71,6 +74,7 @@ def main():
     variants = list(VARIANTS)
     if args.quick:
         Ms, Hs, variants = [1, 1024, 16384], [4096, 16384], ["none", "fp8", "nvfp4"]
+    Ms, Hs, variants = args.Ms or Ms, args.Hs or Hs, args.variants or variants
     dev = torch.cuda.get_device_name()
     copy_bw = copy_bandwidth_tbs()
     empty = time_graph_us(lambda: torch.cuda._sleep(0))

@@ -93,6 +93,14 @@ class QuantSpec:
     scale_major: str = "row"
     scale_ue8m0: bool = False
 
+    def __post_init__(self):
+        # hashed once: specs key the compiled-kernel caches on every eager call
+        object.__setattr__(self, "_hash", hash((self.kind, self.group_size, self.sf_layout,
+                                                self.scale_major, self.scale_ue8m0)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     @property
     def info(self) -> FormatInfo:
         return FORMATS[self.kind]
@@ -197,6 +205,12 @@ def make_quant_spec(quant: Union[str, QuantSpec, None], *, group_size: int = 128
     """
     if torch.compiler.is_compiling():  # dynamo traces through caches; validate plainly
         return _validated_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0)
+    return eager_quant_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0)
+
+
+def eager_quant_spec(quant, group_size: int, sf_layout: str, scale_major: str,
+                     scale_ue8m0: bool) -> Optional[QuantSpec]:
+    """make_quant_spec for a caller that knows it is not being traced (saves a check per call)."""
     try:
         return _cached_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0)
     except TypeError:  # an unhashable option: validate uncached (it raises with the reason)

@@ -7,6 +7,7 @@ custom-op dispatcher costs several microseconds of host time that a decode step 
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -15,34 +16,53 @@ from torch import Tensor
 from .args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows_aligned,
                    copy_outputs, kernel_views, returned_scales)
 from .kernels.tiling import cluster_sizes
-from .formats import NormQuantOutput, QuantSpec, kernel_spec, make_quant_spec, spec_code
+from .formats import (NormQuantOutput, QuantSpec, eager_quant_spec, kernel_spec, make_quant_spec,
+                      spec_code)
 from .rows import call_on_rows
 
 
 # ---- kernel dispatch ----------------------------------------------------------------------------
 
+FEW_ROWS = 64  # up to this many rows a row is spread over a cluster (cluster_for)
+
+
 def cluster_for(H: int, M: int) -> int:
     """Thread-block cluster size (CTAs sharing one row's threads through distributed shared memory).
 
     Few rows (M <= 64): one CTA per 4096 elements of a row, up to the portable 8, so a decode step's
-    row is spread over several SMs. Many rows: no cluster, except H >= 32768, where 2 CTAs share
-    the row's 512 threads. Chosen from benchmarks/results/single_gpu_h200.md (M in 1..65536, H200);
-    rounded down to a size that splits the row's threads into whole warps. The size never changes
-    a row's bits (NOTE [batch invariance] in kernels/norm_quant.py).
+    row is spread over several SMs. Many rows: no cluster. At H = 32768 a 2-CTA cluster used to be
+    chosen there; one 512-thread CTA is 4-55% faster (H200, 1024 and 16384 rows: per-token FP8 3.22
+    -> 4.24 TB/s, NVFP4 2.25 -> 3.48; ncu showed the cluster barrier's memory-barrier stalls behind
+    the residual stores). Rounded down to a size that splits the row's threads into whole warps.
+    The size never changes a row's bits (NOTE [batch invariance] in kernels/norm_quant.py).
     """
-    want = max(1, min(8, H // 4096)) if M <= 64 else (2 if H >= 32768 else 1)
+    return _cluster_size(H, M <= FEW_ROWS)
+
+
+@functools.cache
+def _cluster_size(H: int, few_rows: bool) -> int:
+    want = max(1, min(8, H // 4096)) if few_rows else 1
     return max(n for n in cluster_sizes(H) if n <= want)
+
+
+@functools.cache
+def _fused_kernel(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_residual: bool,
+                  gemma: bool, write_y: bool, few_rows: bool):
+    """The compiled kernel for one call's compile-time key; cached here as well as in
+    compiled_fused_norm so that an eager call pays one dictionary lookup (host time)."""
+    from .kernels.compile import compiled_fused_norm
+
+    return compiled_fused_norm(DTYPE_NAMES[dtype], H, kernel_spec(spec), has_residual, gemma,
+                               write_y, _cluster_size(H, few_rows))
 
 
 def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,
                           y_out, q_out, scales_out) -> None:
-    from .kernels.compile import compiled_fused_norm
-
     M, H = x.shape
     if M == 0:
         return
-    kernel = compiled_fused_norm(DTYPE_NAMES[x.dtype], H, kernel_spec(spec), residual is not None,
-                                 gemma, y_out is not None, cluster_for(H, M))
+    kernel = _fused_kernel(x.dtype, H, spec, residual is not None, gemma, y_out is not None,
+                           M <= FEW_ROWS)
     qv, sv = kernel_views(spec, q_out, scales_out)
     kernel(x, residual, residual_out, weight, y_out, qv, sv, scale, global_scale, float(eps))
 
@@ -109,13 +129,17 @@ def add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
                             scale_major=scale_major, scale_ue8m0=scale_ue8m0, gemma=gemma,
                             norm_out=norm_out, residual_out=residual_out, y_out=y_out, q_out=q_out,
                             scales_out=scales_out)
-    spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
-                           scale_major=scale_major, scale_ue8m0=scale_ue8m0)
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
+                               scale_major=scale_major, scale_ue8m0=scale_ue8m0)
+    else:
+        spec = eager_quant_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0)
     check_op_inputs(x, residual, weight, spec, scale, global_scale, eps)
     want_y = norm_out or spec is None or y_out is not None
     residual_out, y_out, q_out, scales_out = allocate_outputs(
         x, spec, residual is not None, want_y, residual_out, y_out, q_out, scales_out)
-    if torch.compiler.is_compiling():
+    if compiling:
         _add_rmsnorm_out(x, residual, weight, float(eps), spec_code(spec), scale, global_scale,
                          gemma, residual_out, y_out, q_out, scales_out)
     else:

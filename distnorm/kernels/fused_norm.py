@@ -55,16 +55,29 @@ class FusedAddRMSNormQuant:
         lane = cta_rank * t.threads_per_row + tidx % t.threads_per_row  # among the row's threads
         row = (bidx // t.cluster_n) * t.rows_per_cta + row_in_cta
         m = mX.shape[0]
-        row_valid = row < m
-
-        # scalars first: their loads overlap the row loads instead of following the residual stores
-        static_inv, global_scale = self.core.load_scalars(mScale, mGS)
-
         smem = cutlass.utils.SmemAllocator()
         bufs = self.core.allocate_smem(smem)
         if const_expr(t.cluster_n > 1):
             cute.arch.cluster_wait()
+        if const_expr(self.q.swizzled):
+            # whole row groups of scale padding (every CTA of a cluster agrees): scales only
+            if (bidx // t.cluster_n) * t.rows_per_cta >= m:
+                if row < rows:
+                    self.core.store_padding_scales(mS, row, lane)
+            else:
+                self._fuse_row(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, eps, rows, row, lane,
+                               row_in_cta, bufs)
+        else:
+            self._fuse_row(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, eps, rows, row, lane,
+                           row_in_cta, bufs)
 
+    @cute.jit
+    def _fuse_row(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, eps: Float32, rows: Int32,
+                  row: Int32, lane: Int32, row_in_cta: Int32, bufs):
+        m = mX.shape[0]
+        row_valid = row < m
+        # scalars first: their loads overlap the row loads instead of following the residual stores
+        static_inv, global_scale = self.core.load_scalars(mScale, mGS)
         rX = self.core.zeros(mX.element_type)
         rR = self.core.zeros(mX.element_type)
         rH = self.core.zeros(Float32)

@@ -22,6 +22,8 @@ the float32 operations, and the single-GPU kernel gives the all-reduce kernels' 
 """
 from __future__ import annotations
 
+import numpy as np
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -29,6 +31,8 @@ from cutlass import Float32, Int32, const_expr
 from distnorm.formats import E2M1_MAX, E4M3_MAX, PER_TOKEN_MIN_AMAX, VEC, QuantSpec
 from distnorm.kernels import ptx
 from distnorm.kernels.tiling import RowTiling
+
+RCP_E2M1_MAX = float(np.float32(1.0) / np.float32(E2M1_MAX))  # = rcp.rn(6.0), folded at trace time
 
 class NormQuantCore:
     """RMSNorm + quantization epilogue shared by every fused kernel.
@@ -146,7 +150,7 @@ class NormQuantCore:
             stored = s
             inv = ptx.rcp_rn(s)
         elif const_expr(kind == "nvfp4"):
-            sf = ptx.e4m3x2(Float32(0.0), global_scale * (amax * ptx.rcp_rn(Float32(E2M1_MAX)))) & 0xFF
+            sf = ptx.e4m3x2(Float32(0.0), global_scale * (amax * Float32(RCP_E2M1_MAX))) & 0xFF
             sf_f = ptx.e4m3_to_f32(sf)
             stored = Float32(sf)  # carried as a number, stored as a byte
             inv = Float32(0.0)
@@ -171,12 +175,22 @@ class NormQuantCore:
     # ---- packing -------------------------------------------------------------------------------
     @cute.jit
     def _e2m1_code(self, v: Float32) -> Int32:
-        a = ptx.fabs(v)
-        c = Int32(a > Float32(0.25)) + Int32(a >= Float32(0.75)) + Int32(a > Float32(1.25))
-        c = c + Int32(a >= Float32(1.75)) + Int32(a > Float32(2.5)) + Int32(a >= Float32(3.5))
-        c = c + Int32(a > Float32(5.0))
-        sign = (ptx.f32_bits(v) >> 28) & 0x8
-        return c | sign
+        """The e2m1 code of v (formats.e2m1_codes: RNE, ties to even, saturate at 6, NaN -> 0).
+
+        Hopper has no e2m1 convert, and counting the 7 thresholds cost ~30 instructions per
+        element (nvfp4 was issue-bound at 45 instructions per element). Bit arithmetic instead:
+        from 1.0 up, rounding the float32 to one mantissa bit (add half an ulp of that bit, plus
+        the kept bit for ties to even) leaves 2*exponent + bit = code + 252 in bits 22 and up;
+        below 1.0 (e2m1's subnormal step 0.5) adding 2^23 to 2|v| rounds it to the code; clamping
+        |v| to [0, 6] first (NaN -> 0) makes the saturation and NaN cases free. Checked against
+        e2m1_codes for all 2^32 float32 patterns (tests/test_formats.py checks the same arithmetic
+        on the interesting ranges).
+        """
+        b = ptx.f32_bits(ptx.e2m1_clamp(v))  # |v| in [0, 6], NaN -> 0
+        code = ((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22) - 252
+        if b < 0x3F800000:
+            code = ptx.f32_bits(ptx.bits_f32(b) * Float32(2.0) + Float32(8388608.0)) - 0x4B000000
+        return code | ((ptx.f32_bits(v) >> 28) & 0x8)
 
     @cute.jit
     def _store_q(self, rY, j: cutlass.Constexpr, inv: Float32, tQ, vidx: Int32):
@@ -184,7 +198,8 @@ class NormQuantCore:
         if const_expr(self.q.packed_fp4):
             word = Int32(0)
             for e in cutlass.range_constexpr(VEC):
-                word = word | (self._e2m1_code(rY[j * VEC + e] * inv) << (4 * e))
+                # + instead of |: the nibbles do not overlap, and shift-add is one IMAD
+                word = word + (self._e2m1_code(rY[j * VEC + e] * inv) << (4 * e))
             tQ[vidx] = word
         else:
             rW = cute.make_rmem_tensor(cute.make_layout(2), Int32)
@@ -304,10 +319,27 @@ class NormQuantCore:
                     if row_valid:
                         self._store_q(rY, j, inv, tQ, v)
             if const_expr(q.swizzled):
-                # zero the padding columns of the 128x4 layout (padded rows get zeros from y = 0)
-                k = t.hidden // q.group_size
-                kp = (k + 3) // 4 * 4
-                if const_expr(kp > k):
-                    if lane == 0 and scale_valid:
-                        for c in cutlass.range_constexpr(k, kp):
-                            self._store_scale(mS, row, Int32(c), Float32(0.0))
+                if lane == 0 and scale_valid:
+                    self._zero_padding_columns(mS, row)
+
+    @cute.jit
+    def _zero_padding_columns(self, mS, row: Int32):
+        """Zero row `row`'s padding columns of the 128x4 scale layout (K rounded up to 4)."""
+        k = self.t.hidden // self.q.group_size
+        for c in cutlass.range_constexpr(k, (k + 3) // 4 * 4):
+            self._store_scale(mS, row, Int32(c), Float32(0.0))
+
+    @cute.jit
+    def store_padding_scales(self, mS, row: Int32, lane: Int32):
+        """A padding row of the swizzled scale layout (M <= row < round_up(M, 128)): store the
+        zero scales the epilogue would compute from y = 0, without its loads and reductions (at
+        M = 1 the padding is 127 rows, each a full epilogue before). No synchronization."""
+        t = self.t
+        lanes = self.q.group_size // VEC
+        for j in cutlass.range_constexpr(t.vecs_per_thread):
+            v = lane + j * t.row_threads
+            if const_expr(t.exact) or v < t.vecs:
+                if lane % lanes == 0:
+                    self._store_scale(mS, row, v // lanes, Float32(0.0))
+        if lane == 0:
+            self._zero_padding_columns(mS, row)

@@ -68,6 +68,8 @@ rcp_rn = _unary_f32("rcp.rn.f32 $0, $1;", "Correctly rounded 1/x (SEMANTICS.md `
 rsqrt_rn = _unary_f32("{ .reg .f32 s; sqrt.rn.f32 s, $1; rcp.rn.f32 $0, s; }",
                       "1/sqrt(x) as sqrt.rn then rcp.rn: what torch computes on the CPU for float32.")
 fabs = _unary_f32("abs.f32 $0, $1;", "|x|.")
+e2m1_clamp = _unary_f32("{ .reg .f32 t; abs.f32 t, $1; max.f32 t, t, 0f00000000; min.f32 $0, t, 0f40C00000; }",
+                        "|x| clamped to [0, 6], NaN -> 0 (max.f32 returns the operand that is not NaN).")
 div_rn = _binary_f32("div.rn.f32 $0, $1, $2;", "Correctly rounded a / b.")
 fmax_nan = _binary_f32("max.NaN.f32 $0, $1, $2;",
                        "max that returns NaN if either input is NaN (torch.amax semantics).")

@@ -38,7 +38,11 @@ VARIANTS = {
     "nvfp4": ("nvfp4", {"sf_layout": "swizzled"}),
     "mxfp8": ("mxfp8", {"sf_layout": "swizzled"}),
     "mxfp4": ("mxfp4", {"sf_layout": "swizzled"}),
+    # linear scale layouts (no 128-row padding); not in the default grid
+    "nvfp4_linear": ("nvfp4", {"sf_layout": "linear"}),
+    "mxfp8_linear": ("mxfp8", {"sf_layout": "linear"}),
 }
+DEFAULT_VARIANTS = ["none", "fp8", "fp8_per_token", "fp8_group128", "nvfp4", "mxfp8", "mxfp4"]
 MAX_SETS = 64
 
 
@@ -71,7 +75,7 @@ def main():
         return render(args.render, args.copy_tbs)
     Ms = [1, 16, 128, 1024, 4096, 16384, 65536]
     Hs = [1536, 4096, 8192, 16384, 32768]
-    variants = list(VARIANTS)
+    variants = DEFAULT_VARIANTS
     if args.quick:
         Ms, Hs, variants = [1, 1024, 16384], [4096, 16384], ["none", "fp8", "nvfp4"]
     Ms, Hs, variants = args.Ms or Ms, args.Hs or Hs, args.variants or variants

@@ -93,13 +93,14 @@ class QuantSpec:
     scale_major: str = "row"
     scale_ue8m0: bool = False
 
-    def __post_init__(self):
-        # hashed once: specs key the compiled-kernel caches on every eager call
-        object.__setattr__(self, "_hash", hash((self.kind, self.group_size, self.sf_layout,
-                                                self.scale_major, self.scale_ue8m0)))
-
     def __hash__(self) -> int:
         return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        # hashed once: specs key the compiled-kernel caches on every eager call (a __post_init__
+        # setting it broke torch 2.11's dynamo under fullgraph=True)
+        return hash((self.kind, self.group_size, self.sf_layout, self.scale_major, self.scale_ue8m0))
 
     @property
     def info(self) -> FormatInfo:

@@ -86,8 +86,10 @@ def cluster_sizes(hidden: int) -> list[int]:
     return [n for n in range(1, 9) if t % (32 * n) == 0]
 
 
-def choose_tiling(hidden: int, cluster_n: int = 1, block: int = 0) -> RowTiling:
-    """The row's canonical threads (row_threads_for), split over `cluster_n` CTAs."""
+def choose_tiling(hidden: int, cluster_n: int = 1, block: int = 0,
+                  cta_threads: int = 256) -> RowTiling:
+    """The row's canonical threads (row_threads_for), split over `cluster_n` CTAs, as many rows
+    per CTA as fit in about `cta_threads` threads (at most 8)."""
     if hidden % VEC:
         raise ValueError(f"hidden={hidden} is not a multiple of {VEC}")
     if block and hidden % block:
@@ -96,5 +98,5 @@ def choose_tiling(hidden: int, cluster_n: int = 1, block: int = 0) -> RowTiling:
         raise ValueError(f"hidden={hidden} ({row_threads_for(hidden)} threads per row) does not "
                          f"split into {cluster_n} CTAs of whole warps; sizes: {cluster_sizes(hidden)}")
     per_cta = row_threads_for(hidden) // cluster_n
-    rows = max(1, min(8, 256 // per_cta))
+    rows = max(1, min(8, cta_threads // per_cta))
     return RowTiling(hidden=hidden, threads_per_row=per_cta, rows_per_cta=rows, cluster_n=cluster_n)

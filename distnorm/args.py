@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .formats import (MAX_HIDDEN, MIN_HIDDEN, QuantSpec, check_hidden, empty_scales, hidden_multiple,
-                      q_dtype, q_shape, scales_geometry)
+from .formats import (MAX_HIDDEN, MIN_HIDDEN, VEC, QuantSpec, check_hidden, empty_scales,
+                      hidden_multiple, q_dtype, q_shape, scales_geometry)
 
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -158,9 +158,10 @@ def check_rows_aligned(tensors, M: int) -> None:
 
 
 def _check_given(name: str, t, x: Tensor, shape, dtype) -> None:
-    """An output the caller passed: shape, dtype, device, last dim contiguous, aligned rows."""
-    if (type(t) is not Tensor or t.shape != shape or t.dtype != dtype or t.device != x.device
-            or (t.stride(-1) != 1 and shape[-1] > 1)):
+    """An output the caller passed: shape, dtype, device, last dim contiguous, aligned rows.
+    (get_device() ints, not .device objects: this runs on every eager call.)"""
+    if (type(t) is not Tensor or t.dtype != dtype or t.shape != shape
+            or t.get_device() != x.get_device() or (t.stride(-1) != 1 and shape[-1] > 1)):
         check_rows(name, t, x, shape, dtype)
 
 
@@ -229,24 +230,25 @@ def kernel_views(spec: Optional[QuantSpec], q: Optional[Tensor], scales: Optiona
 
 
 def inputs_look_valid(x, residual, weight, spec, eps) -> bool:
-    """Cheap checks of the common case; when False, check_inputs says exactly what is wrong."""
-    if type(eps) not in (float, int) or not 0 <= eps < math.inf:
+    """Cheap checks of the common case; when False, check_inputs says exactly what is wrong.
+    Written for host time (every eager call runs it): each tensor attribute read once."""
+    if (type(eps) is not float and type(eps) is not int) or not 0 <= eps < math.inf:
         return False
-    if type(x) is not Tensor or x.dim() != 2 or x.dtype not in ACT_DTYPES:
+    if type(x) is not Tensor or type(weight) is not Tensor:
         return False
-    H = x.shape[1]
-    if H % hidden_multiple(spec) or not MIN_HIDDEN <= H <= MAX_HIDDEN:
+    shape = x.shape
+    if len(shape) != 2 or x.dtype not in ACT_DTYPES:
         return False
-    if type(weight) is not Tensor or weight.shape != (H,) or weight.dtype != x.dtype:
-        return False
-    if x.stride(1) != 1 or weight.stride(0) != 1:
+    H = shape[1]
+    if H % (VEC if spec is None else spec.hidden_multiple) or not MIN_HIDDEN <= H <= MAX_HIDDEN:
         return False
     dev = x.get_device()
-    if weight.get_device() != dev:
+    if (weight.shape != (H,) or weight.dtype != x.dtype or x.stride(1) != 1
+            or weight.stride(0) != 1 or weight.get_device() != dev):
         return False
-    if residual is not None and (type(residual) is not Tensor or residual.shape != x.shape
-                                 or residual.dtype != x.dtype or residual.get_device() != dev
-                                 or residual.stride(1) != 1):
+    if residual is not None and (type(residual) is not Tensor or residual.shape != shape
+                                 or residual.dtype != x.dtype or residual.stride(1) != 1
+                                 or residual.get_device() != dev):
         return False
     return True
 

@@ -1,17 +1,20 @@
 """Profile the single-GPU fused kernel under Nsight Compute, one launch per case, and the host
-time of an eager call under cProfile.
+time of an eager call.
 
-    ncu --profile-from-start off --csv --page raw --metrics <list> \
+    ncu --profile-from-start off --csv --page raw --metrics $(python benchmarks/profile_single_gpu.py --metrics) \
         python benchmarks/profile_single_gpu.py --cases fp8:1:4096 nvfp4:1024:4096 > ncu.csv
-    python benchmarks/profile_single_gpu.py --host        # cProfile of 20000 eager calls
+    python benchmarks/profile_single_gpu.py --table ncu.csv fp8:1:4096 nvfp4:1024:4096   # one line per case
+    python benchmarks/profile_single_gpu.py --host     # host us per eager call, whole and in pieces
 
 A case is variant:M:H with the variants of bench_single_gpu.py. Only the profiled launch sits
-between cudaProfilerStart/Stop (compilation and input creation stay outside).
+between cudaProfilerStart/Stop (compilation and input creation stay outside); ncu flushes the
+caches before it, so it reads from HBM.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import csv
 import os
 import pstats
 import sys
@@ -24,6 +27,42 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_single_gpu import VARIANTS, _input_set  # noqa: E402
 
 import distnorm  # noqa: E402
+
+
+# (ncu metric, column): time, DRAM use, launch shape, registers and occupancy, issue use,
+# instructions, and the stall reasons per issued instruction
+METRICS = [("gpu__time_duration.sum", "us"),
+           ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "dram%"),
+           ("launch__registers_per_thread", "regs"), ("launch__grid_size", "grid"),
+           ("launch__block_size", "block"), ("launch__cluster_dim_x", "cluster"),
+           ("launch__occupancy_limit_registers", "ctas/SM(regs)"),
+           ("sm__warps_active.avg.pct_of_peak_sustained_active", "occ%"),
+           ("smsp__issue_active.avg.pct_of_peak_sustained_active", "issue%"),
+           ("sm__inst_executed.sum", "warp inst")] + [
+    (f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio", r[:8])
+    for r in ("long_scoreboard", "barrier", "membar", "short_scoreboard", "wait", "lg_throttle",
+              "math_pipe_throttle", "drain", "mio_throttle")]
+
+
+def print_table(path: str, cases: list) -> None:
+    """One line per profiled launch of an ncu --csv --page raw file, labelled by `cases`."""
+    rows = list(csv.reader(open(path)))
+    head = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+    names, units = rows[head], rows[head + 1]
+    data = [r for r in rows[head + 2:] if len(r) == len(names)]
+    cols = [(names.index(m), label) for m, label in METRICS if m in names]
+    print(f"{'case':26}" + "".join(f"{label:>14}" for _, label in cols))
+    for case, r in zip(cases, data):
+        cells = []
+        for i, _ in cols:
+            v = r[i].replace(",", "")
+            try:
+                f = float(v) / (1000.0 if units[i] == "ns" else 1.0)
+                v = f"{f:.3g}" if f < 1e5 else f"{f / 1e6:.2f}M"
+            except ValueError:
+                pass
+            cells.append(f"{v:>14}")
+        print(f"{case:26}" + "".join(cells))
 
 
 def case_call(variant: str, M: int, H: int):
@@ -42,7 +81,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="*", default=[])
     ap.add_argument("--host", action="store_true")
+    ap.add_argument("--metrics", action="store_true", help="print the ncu metric list and exit")
+    ap.add_argument("--table", nargs="+", metavar=("CSV", "CASE"),
+                    help="print an ncu CSV as a table, rows labelled by the cases")
     args = ap.parse_args()
+    if args.metrics:
+        return print(",".join(m for m, _ in METRICS))
+    if args.table:
+        return print_table(args.table[0], args.table[1:])
     for case in args.cases:
         v, M, H = case.split(":")
         call = case_call(v, int(M), int(H))

@@ -159,9 +159,13 @@ def check_rows_aligned(tensors, M: int) -> None:
 
 def _check_given(name: str, t, x: Tensor, shape, dtype) -> None:
     """An output the caller passed: shape, dtype, device, last dim contiguous, aligned rows.
-    (get_device() ints, not .device objects: this runs on every eager call.)"""
-    if (type(t) is not Tensor or t.dtype != dtype or t.shape != shape
-            or t.get_device() != x.get_device() or (t.stride(-1) != 1 and shape[-1] > 1)):
+    (CUDA devices compared as get_device() ints, not .device objects: this runs on every eager
+    call; -1 covers every non-CUDA device, so those compare the objects.)"""
+    if type(t) is not Tensor or t.dtype != dtype or t.shape != shape:
+        return check_rows(name, t, x, shape, dtype)
+    dev = t.get_device()
+    if (dev != x.get_device() or (dev < 0 and t.device != x.device)
+            or (t.stride(-1) != 1 and shape[-1] > 1)):
         check_rows(name, t, x, shape, dtype)
 
 

@@ -101,7 +101,7 @@ def test_shape_and_stride_errors_are_ours(device):
         distnorm.add_rmsnorm(x, None, w, y_out=y_out)
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         distnorm.add_rmsnorm([1.0] * 1024, None, w)
-    # an output on another device of the same kind-less index (-1: cpu vs meta) is still caught
+    # an output on another device is caught, also where get_device() cannot tell (cpu vs meta: -1)
     with pytest.raises(ValueError, match=f"residual_out must be on {x.device}"):
         distnorm.add_rmsnorm(x, res, w, residual_out=torch.empty(6, 1024, dtype=x.dtype,
                                                                   device="meta"))

@@ -416,6 +416,15 @@ def to_swizzled(linear: Tensor) -> Tensor:
     return out.view(linear.dtype) if linear.element_size() == 1 else out
 
 
+def swizzled_offset(row, blk, k: int):
+    """Offset of scale (row, blk) in the flat 128x4-swizzled layout of k blocks per row (the
+    order of to_swizzled: row = m0*128 + m1*32 + m2, blk = b0*4 + b1 -> (m0, b0, m2, m1, b1)).
+    Plain integer arithmetic (>>, &, *, +) so that the kernels run it on their run-time Int32
+    values and the tests on Python ints or tensors: one formula for both."""
+    kp4 = (k + 3) // 4
+    return ((row >> 7) * kp4 + (blk >> 2)) * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4 + (blk & 3)
+
+
 def from_swizzled(sw: Tensor, M: int, K: int) -> Tensor:
     """Inverse of to_swizzled: the [M, K] linear scales held by a swizzled [Mp, Kp] tensor."""
     Mp, Kp = round_up(M, 128), round_up(K, 4)

@@ -28,7 +28,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from distnorm.formats import E2M1_MAX, E4M3_MAX, PER_TOKEN_MIN_AMAX, VEC, QuantSpec
+from distnorm.formats import (E2M1_MAX, E4M3_MAX, PER_TOKEN_MIN_AMAX, VEC, QuantSpec,
+                              swizzled_offset)
 from distnorm.kernels import ptx
 from distnorm.kernels.tiling import RowTiling
 
@@ -183,8 +184,8 @@ class NormQuantCore:
         the kept bit for ties to even) leaves 2*exponent + bit = code + 252 in bits 22 and up;
         below 1.0 (e2m1's subnormal step 0.5) adding 2^23 to 2|v| rounds it to the code; clamping
         |v| to [0, 6] first (NaN -> 0) makes the saturation and NaN cases free. Checked against
-        e2m1_codes for all 2^32 float32 patterns (tests/test_formats.py checks the same arithmetic
-        on the interesting ranges).
+        e2m1_codes for all 2^32 float32 patterns (tests/test_kernel_arithmetic.py checks the same
+        arithmetic on the interesting ranges).
         """
         b = ptx.f32_bits(ptx.e2m1_clamp(v))  # |v| in [0, 6], NaN -> 0
         code = ((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22) - 252
@@ -215,9 +216,7 @@ class NormQuantCore:
         if const_expr(self.q.float_scales):
             mS[row, blk] = value
         elif const_expr(self.q.swizzled):
-            kp = (self.t.hidden // self.q.group_size + 3) // 4 * 4
-            off = ((row >> 7) * (kp // 4) + (blk >> 2)) * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4 + (blk & 3)
-            mS[off] = cutlass.Uint8(Int32(value))
+            mS[swizzled_offset(row, blk, self.t.hidden // self.q.group_size)] = cutlass.Uint8(Int32(value))
         else:
             mS[row, blk] = cutlass.Uint8(Int32(value))
 

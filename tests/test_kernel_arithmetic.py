@@ -1,10 +1,15 @@
-"""The bit arithmetic the kernels use for e2m1 (NormQuantCore._e2m1_code), emulated in torch and
-checked against formats.e2m1_codes: every float32 within 4096 ulps of each rounding threshold and
-grid value, the specials, and a million random patterns. (Run once over all 2^32 patterns when it
-was written: no mismatch.) The GPU tests check the kernels themselves."""
+"""Integer arithmetic the kernels run, checked on the CPU against the reference (the GPU tests
+check the kernels themselves):
+- e2m1 rounding by bit arithmetic (NormQuantCore._e2m1_code), emulated in torch, against
+  formats.e2m1_codes: every float32 within 4096 ulps of each rounding threshold and grid value,
+  the specials, and a million random patterns (run once over all 2^32 patterns when it was written:
+  no mismatch);
+- the swizzled-scale offset (formats.swizzled_offset, the very function the kernels call) against
+  formats.to_swizzled."""
+import pytest
 import torch
 
-from distnorm.formats import E2M1_GRID, e2m1_codes
+from distnorm.formats import E2M1_GRID, e2m1_codes, swizzled_offset, to_swizzled
 
 THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
@@ -38,3 +43,16 @@ def test_kernel_e2m1_arithmetic_matches_reference():
             got = kernel_e2m1_codes(vs)
             bad = (want != got).nonzero().flatten()
             assert bad.numel() == 0, f"{bad.numel()} mismatches, e.g. {vs[bad[:4]].tolist()}"
+
+
+@pytest.mark.parametrize("M, K", [(1, 1), (5, 3), (128, 4), (130, 7), (300, 256), (257, 2048)])
+def test_swizzled_offset_is_to_swizzled(M, K):
+    linear = torch.arange(M * K, dtype=torch.int64).view(M, K)
+    flat = to_swizzled(linear).flatten()
+    row = torch.arange(M).view(M, 1).expand(M, K)
+    blk = torch.arange(K).view(1, K).expand(M, K)
+    assert torch.equal(flat[swizzled_offset(row, blk, K)], linear)
+    Mp, Kp = (M + 127) // 128 * 128, (K + 3) // 4 * 4  # padding: the offsets cover the rest once
+    prow = torch.arange(Mp).view(Mp, 1).expand(Mp, Kp)
+    pblk = torch.arange(Kp).view(1, Kp).expand(Mp, Kp)
+    assert torch.equal(swizzled_offset(prow, pblk, K).flatten().sort().values, torch.arange(Mp * Kp))

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import copy_bandwidth_tbs, time_eager_us, time_graph_us  # noqa: E402
+from common import copy_bandwidth_tbs, host_us_per_call, time_eager_us, time_graph_us  # noqa: E402
 
 import distnorm  # noqa: E402
 from distnorm import formats  # noqa: E402
@@ -185,14 +185,7 @@ def host_time_us(n: int = 2000) -> dict:
     res = {}
     for name, fn in (("fp8_outputs_passed", lambda: distnorm.add_rmsnorm(x, r, w, 1e-6, quant="fp8", scale=s, residual_out=out.residual, q_out=out.q)),
                      ("fp8_allocating", lambda: distnorm.add_rmsnorm(x, r, w, 1e-6, quant="fp8", scale=s))):
-        for _ in range(100):
-            fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        res[name] = round((time.perf_counter() - t) / n * 1e6, 2)
-        torch.cuda.synchronize()
+        res[name] = round(host_us_per_call(fn, n), 2)
     return res
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -67,6 +68,20 @@ def copy_bandwidth_tbs(nbytes: int = 2 << 30) -> float:
     b = torch.empty_like(a)
     us = time_graph_us(lambda: torch.mul(a, 1.0, out=b), calls_per_graph=5, repeats=10)
     return 2 * a.numel() * a.element_size() / (us * 1e-6) / 1e12
+
+
+def host_us_per_call(fn: Callable[[], object], n: int = 2000, warmup: int = 100) -> float:
+    """Host microseconds per call of `fn` (no synchronization between calls): what a CPU-bound
+    caller pays to launch it."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return us
 
 
 def time_eager_us(fn: Callable[[], object], calls: int = 20, repeats: int = 10) -> float:

@@ -18,13 +18,13 @@ import csv
 import os
 import pstats
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_single_gpu import VARIANTS, _input_set  # noqa: E402
+from common import host_us_per_call  # noqa: E402
 
 import distnorm  # noqa: E402
 
@@ -103,18 +103,6 @@ def main() -> None:
         host_breakdown()
 
 
-def _per_call_us(fn, n: int = 20000) -> float:
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return us
-
-
 def host_breakdown() -> None:
     """Host microseconds per eager call (M=1, H=4096, static fp8), whole and in pieces."""
     from distnorm import ops
@@ -141,7 +129,7 @@ def host_breakdown() -> None:
                                             torch.empty(1, 4096, dtype=torch.float8_e4m3fn, device="cuda")),
     }
     for name, fn in pieces.items():
-        print(f"host us per call: {_per_call_us(fn):6.2f}  {name}")
+        print(f"host us per call: {host_us_per_call(fn, 20000, 200):6.2f}  {name}")
     prof = cProfile.Profile()
     fn = pieces["add_rmsnorm, outputs passed"]
     prof.enable()

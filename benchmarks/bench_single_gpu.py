@@ -66,11 +66,17 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--render", help="re-render the table and heatmap of a results JSON (no GPU)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="merge the rows of several results JSONs into --out.json, then render it "
+                         "(no GPU); the first file's meta is kept, every file's command listed")
     ap.add_argument("--copy-tbs", type=float, help="copy bandwidth to compare against (TB/s)")
     ap.add_argument("--Ms", type=int, nargs="+", help="row counts (default 1 .. 65536)")
     ap.add_argument("--Hs", type=int, nargs="+", help="hidden sizes (default 1536 .. 32768)")
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="default: all")
     args = ap.parse_args()
+    if args.merge:
+        merge(args.merge, args.out + ".json")
+        return render(args.out + ".json", args.copy_tbs)
     if args.render:
         return render(args.render, args.copy_tbs)
     Ms = [1, 16, 128, 1024, 4096, 16384, 65536]
@@ -153,6 +159,17 @@ def _time_rotating(call, sets) -> float:
         x, r, outs = sets[next(counter) % len(sets)]
         return call(x, r, outs)
     return time_graph_us(fn, calls_per_graph=n, repeats=10)
+
+
+def merge(paths: list, out: str) -> None:
+    """One results JSON from several runs (e.g. one per hidden size): rows concatenated in order."""
+    runs = [json.load(open(p)) for p in paths]
+    meta = dict(runs[0]["meta"])
+    meta["command"] = " ; ".join(f"{r['meta']['command']} ({r['meta']['date']})" for r in runs)
+    meta["merged_host_us"] = [r["meta"]["host_us"] for r in runs]
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(dict(meta=meta, rows=[row for r in runs for row in r["rows"]]), f, indent=1)
 
 
 def render(path: str, copy_tbs: float | None) -> None:

@@ -188,7 +188,7 @@ def allocate_outputs(x: Tensor, spec: Optional[QuantSpec], has_residual: bool, w
             q_out = torch.empty(q_shape(spec, M, H), dtype=q_dtype(spec), device=x.device)
         else:
             _check_given("q_out", q_out, x, q_shape(spec, M, H), q_dtype(spec))
-        geo = scales_geometry(spec, M, H) if spec.info.scales != "static" else None
+        geo = scales_geometry(spec, M, H)
         if geo is not None:
             if scales_out is None:
                 scales_out = empty_scales(spec, M, H, x.device)

@@ -206,12 +206,6 @@ def make_quant_spec(quant: Union[str, QuantSpec, None], *, group_size: int = 128
     """
     if torch.compiler.is_compiling():  # dynamo traces through caches; validate plainly
         return _validated_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0)
-    return eager_quant_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0)
-
-
-def eager_quant_spec(quant, group_size: int, sf_layout: str, scale_major: str,
-                     scale_ue8m0: bool) -> Optional[QuantSpec]:
-    """make_quant_spec for a caller that knows it is not being traced (saves a check per call)."""
     try:
         return _cached_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0)
     except TypeError:  # an unhashable option: validate uncached (it raises with the reason)

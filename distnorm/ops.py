@@ -16,8 +16,7 @@ from torch import Tensor
 from .args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows_aligned,
                    copy_outputs, kernel_views, returned_scales)
 from .kernels.tiling import cluster_sizes
-from .formats import (NormQuantOutput, QuantSpec, eager_quant_spec, kernel_spec, make_quant_spec,
-                      spec_code)
+from .formats import NormQuantOutput, QuantSpec, kernel_spec, make_quant_spec, spec_code
 from .rows import call_on_rows
 
 
@@ -129,17 +128,13 @@ def add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
                             scale_major=scale_major, scale_ue8m0=scale_ue8m0, gemma=gemma,
                             norm_out=norm_out, residual_out=residual_out, y_out=y_out, q_out=q_out,
                             scales_out=scales_out)
-    compiling = torch.compiler.is_compiling()
-    if compiling:
-        spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
-                               scale_major=scale_major, scale_ue8m0=scale_ue8m0)
-    else:
-        spec = eager_quant_spec(quant, group_size, sf_layout, scale_major, scale_ue8m0)
+    spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
+                           scale_major=scale_major, scale_ue8m0=scale_ue8m0)
     check_op_inputs(x, residual, weight, spec, scale, global_scale, eps)
     want_y = norm_out or spec is None or y_out is not None
     residual_out, y_out, q_out, scales_out = allocate_outputs(
         x, spec, residual is not None, want_y, residual_out, y_out, q_out, scales_out)
-    if compiling:
+    if torch.compiler.is_compiling():
         _add_rmsnorm_out(x, residual, weight, float(eps), spec_code(spec), scale, global_scale,
                          gemma, residual_out, y_out, q_out, scales_out)
     else:

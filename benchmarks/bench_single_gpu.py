@@ -100,11 +100,7 @@ def main():
         for H in Hs:
             w = (torch.rand(H, device="cuda") + 0.5).to(torch.bfloat16)
             for M in Ms:
-                kw = dict(quant=quant, **opts)
-                if quant == "fp8":
-                    kw["scale"] = torch.tensor([0.05], device="cuda")
-                if quant == "nvfp4":
-                    kw["global_scale"] = torch.tensor([200.0], device="cuda")
+                kw = variant_kwargs(vname)
                 nbytes = count_bytes(spec, M, H)
                 sets = [_input_set(M, H, w, kw) for _ in range(min(MAX_SETS, max(1, -(-2 * l2 // nbytes))))]
                 us = _time_rotating(lambda x, r, outs: distnorm.add_rmsnorm(x, r, w, 1e-6, **kw, **outs), sets)
@@ -137,6 +133,27 @@ def main():
         write_heatmap(args.out + ".png", rows, variants, Ms, Hs, copy_bw)
     except Exception as e:  # matplotlib missing: the table is the result
         print("no heatmap:", e)
+
+
+def variant_kwargs(variant: str) -> dict:
+    """add_rmsnorm's quant keywords for a VARIANTS entry, with the static scale / global scale
+    (float32 [1] CUDA tensors) the format needs."""
+    quant, opts = VARIANTS[variant]
+    kw = dict(quant=quant, **opts)
+    if quant == "fp8":
+        kw["scale"] = torch.tensor([0.05], device="cuda")
+    if quant == "nvfp4":
+        kw["global_scale"] = torch.tensor([200.0], device="cuda")
+    return kw
+
+
+def decode_fp8_case() -> tuple:
+    """(x, residual, weight, scale, out): one token of H=4096, static FP8, outputs allocated once;
+    the case both host-time measurements use."""
+    x = torch.randn(1, 4096, device="cuda").to(torch.bfloat16)
+    r, w = torch.randn_like(x), torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    s = torch.tensor([0.05], device="cuda")
+    return x, r, w, s, distnorm.add_rmsnorm(x, r, w, 1e-6, quant="fp8", scale=s)
 
 
 def _input_set(M: int, H: int, w, kw) -> tuple:
@@ -195,10 +212,7 @@ def render(path: str, copy_tbs: float | None) -> None:
 
 def host_time_us(n: int = 2000) -> dict:
     """Host microseconds of one eager call at M=1 (outputs passed in / allocated), no sync inside."""
-    x = torch.randn(1, 4096, device="cuda").to(torch.bfloat16)
-    r, w = torch.randn_like(x), torch.ones(4096, device="cuda", dtype=torch.bfloat16)
-    s = torch.tensor([0.05], device="cuda")
-    out = distnorm.add_rmsnorm(x, r, w, 1e-6, quant="fp8", scale=s)
+    x, r, w, s, out = decode_fp8_case()
     res = {}
     for name, fn in (("fp8_outputs_passed", lambda: distnorm.add_rmsnorm(x, r, w, 1e-6, quant="fp8", scale=s, residual_out=out.residual, q_out=out.q)),
                      ("fp8_allocating", lambda: distnorm.add_rmsnorm(x, r, w, 1e-6, quant="fp8", scale=s))):

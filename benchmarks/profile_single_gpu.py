@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_single_gpu import VARIANTS, _input_set  # noqa: E402
+from bench_single_gpu import _input_set, decode_fp8_case, variant_kwargs  # noqa: E402
 from common import host_us_per_call  # noqa: E402
 
 import distnorm  # noqa: E402
@@ -66,12 +66,7 @@ def print_table(path: str, cases: list) -> None:
 
 
 def case_call(variant: str, M: int, H: int):
-    quant, opts = VARIANTS[variant]
-    kw = dict(quant=quant, **opts)
-    if quant == "fp8":
-        kw["scale"] = torch.tensor([0.05], device="cuda")
-    if quant == "nvfp4":
-        kw["global_scale"] = torch.tensor([200.0], device="cuda")
+    kw = variant_kwargs(variant)
     w = (torch.rand(H, device="cuda") + 0.5).to(torch.bfloat16)
     x, r, outs = _input_set(M, H, w, kw)
     return lambda: distnorm.add_rmsnorm(x, r, w, 1e-6, **kw, **outs)
@@ -108,10 +103,7 @@ def host_breakdown() -> None:
     from distnorm import ops
     from distnorm.formats import kernel_spec, make_quant_spec
     from distnorm.kernels.compile import compiled_fused_norm
-    x = torch.randn(1, 4096, device="cuda").to(torch.bfloat16)
-    r, w = torch.randn_like(x), torch.ones(4096, device="cuda", dtype=torch.bfloat16)
-    s = torch.tensor([0.05], device="cuda")
-    out = distnorm.add_rmsnorm(x, r, w, 1e-6, quant="fp8", scale=s)
+    x, r, w, s, out = decode_fp8_case()
     spec = make_quant_spec("fp8")
     kernel = compiled_fused_norm("bfloat16", 4096, kernel_spec(spec), True, False, False, 1)
     qv = out.q.view(torch.int32)

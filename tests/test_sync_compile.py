@@ -26,7 +26,9 @@ def test_region_layout_and_timeout(monkeypatch):
     from distnorm.collectives import layout
     from distnorm.collectives.plan import Tuning
 
-    assert layout.REGION_WORDS == layout.MAX_CTAS * (1 + layout.MAX_WORLD * layout.FLAG_WORDS)
+    assert layout.REGION_WORDS == layout.MAX_CTAS * (1 + layout.MAX_WORLD * layout.FLAG_SLOTS
+                                                     * layout.FLAG_WORDS)
+    assert layout.MIN_SIGNAL_BYTES <= 1 << 20  # the Workspace's default signal_bytes
     assert layout.region_word(2) == 2 * layout.REGION_WORDS
     assert layout.DEVICE_ERROR_WORD == layout.region_word(layout.REGION_DEVICE_ERROR)
     regions = [layout.REGION_BARRIER_TEST, layout.REGION_ONESHOT, layout.REGION_TWOSHOT,

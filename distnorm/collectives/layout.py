@@ -12,8 +12,9 @@ Signal pad (per rank, ``Workspace.signal_bytes``, u32 words), regions of ``REGIO
                                    call words (CALL_W_* below)
     region 5  REGION_REDUCESCATTER the sequence-parallel reduce-scatter's cross-rank CTA barrier
 
-A barrier region holds ``epochs[MAX_CTAS]`` then 64-bit ``flags[MAX_CTAS][MAX_WORLD]``, each flag
-(epoch, call signature) (kernels/sync.py).
+A barrier region holds ``epochs[MAX_CTAS]`` then 64-bit ``flags[MAX_CTAS][MAX_WORLD][FLAG_SLOTS]``,
+each flag (epoch, call signature) in slot ``epoch % FLAG_SLOTS`` (kernels/sync.py: a peer one
+barrier ahead writes the other slot, so it never overwrites the flag we have yet to read).
 Each algorithm owns its region: two kernels on one region would advance each other's epochs.
 Append new regions; never reuse an index.
 
@@ -54,7 +55,8 @@ __all__ = [
     "REGION_TWOSHOT", "REGION_LAMPORT", "REGION_DEVICE_ERROR", "REGION_REDUCESCATTER",
     "region_word", "DEVICE_ERROR_WORD",
     "MIN_SIGNAL_BYTES", "ERROR_NONE", "ERROR_TIMEOUT", "ERROR_MISMATCH", "ERROR_NAMES",
-    "ERROR_WORDS", "ERR_CODE", "ERR_PEER", "ERR_EPOCH", "ERR_VALUE", "FLAG_WORDS", "DESCRIPTOR_WORDS",
+    "ERROR_WORDS", "ERR_CODE", "ERR_PEER", "ERR_EPOCH", "ERR_VALUE", "FLAG_WORDS", "FLAG_SLOTS",
+    "DESCRIPTOR_WORDS",
     "CALL_W_LAST", "CALL_W_LAMPORT_HDR", "CALL_W_HOST_BARRIER", "HOST_BARRIER_FIRST_CALL",
     "HOST_BARRIER_RESET_A", "HOST_BARRIER_RESET_B", "LAMPORT_AREAS", "LAMPORT_SENTINEL", "LAMPORT_SENTINEL_I32",
     "LAMPORT_W_AREA", "LAMPORT_W_ARRIVE", "LAMPORT_W_VECS", "LAMPORT_STATE_WORDS",
@@ -64,7 +66,8 @@ __all__ = [
 MAX_CTAS = 1024   # CTA indices a barrier region has epochs and flags for
 MAX_WORLD = 8     # ranks a barrier region has flags for
 FLAG_WORDS = 2    # a flag is (epoch, signature): one 64-bit word
-REGION_WORDS = MAX_CTAS + MAX_CTAS * MAX_WORLD * FLAG_WORDS  # 17408 words = 68 KiB
+FLAG_SLOTS = 2    # flags of even and odd epochs
+REGION_WORDS = MAX_CTAS + MAX_CTAS * MAX_WORLD * FLAG_SLOTS * FLAG_WORDS  # 33792 words = 132 KiB
 
 REGION_BARRIER_TEST = 0
 REGION_ONESHOT = 1

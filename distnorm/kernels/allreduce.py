@@ -65,7 +65,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 # absolute imports: the 4.3.5 DSL preprocessor needs them
-from distnorm.collectives.layout import CALL_W_LAST, region_word
+from distnorm.collectives.layout import CALL_W_LAST, DEVICE_ERROR_WORD, region_word
 from distnorm.collectives.plan import ALGORITHMS
 from distnorm.collectives.signature import (SIGNATURE_MULTIPLIER, CallDescriptor,
                                             signature_constant)
@@ -73,7 +73,7 @@ from distnorm.formats import VEC, QuantSpec
 from distnorm.kernels.lamport import LamportOneShot
 from distnorm.kernels.norm_quant import NormQuantCore
 from distnorm.kernels.tiling import RowTiling
-from distnorm.kernels.sync import cta_barrier, st_volatile_sys_v4_u32
+from distnorm.kernels.sync import cta_barrier, ld_volatile_sys_u32, st_volatile_sys_v4_u32
 
 
 class AllReduceAddRMSNormQuant(LamportOneShot):
@@ -230,8 +230,27 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
         return bufs, rT, rR, rH, static_inv, global_scale, rW
 
     @cute.jit
-    def _barrier(self, mSig, rank: Int32, bidx: Int32, timeout: Int64, mErr, sig: Int32):
-        cta_barrier(mSig, rank, self.world, self.region_word, bidx, timeout, mErr, sig)
+    def _barrier(self, mSig, rank: Int32, bidx: Int32, timeout: Int64, mErr, sig: Int32) -> Int32:
+        """The cross-rank CTA barrier; 1 (on every thread of the CTA) when it failed."""
+        return cta_barrier(mSig, rank, self.world, self.region_word, bidx, timeout, mErr, sig)
+
+    @cute.jit
+    def _unless_failed(self, failed: Int32, groups: Int32) -> Int32:
+        """``groups``, or 0 after a failed barrier (NOTE [a failed rank arrives nowhere]): the
+        rest of the launch writes nothing, to peers or outputs. ``failed`` is the same on every
+        thread of the CTA, so the epilogue's CTA barriers stay matched."""
+        n = groups
+        if failed != Int32(0):
+            n = Int32(0)
+        return n
+
+    @cute.jit
+    def _push_groups(self, mSig, rank: Int32, groups: Int32) -> Int32:
+        """``groups``, or 0 when this rank's device error word is already set (a launch queued
+        before the host saw an earlier failure): NOTE [a failed rank arrives nowhere]. Per thread:
+        the push loops have no CTA barrier."""
+        return self._unless_failed(ld_volatile_sys_u32(mSig[rank] + Int64(DEVICE_ERROR_WORD * 4)),
+                                   groups)
 
     @cute.jit
     def _describe_launch(self, mSig, rank: Int32, m: Int32) -> Int32:
@@ -282,7 +301,7 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
 
         # phase 1: push my rows into slot `rank` of every other rank's buffer (phase 2 reads my own
         # rows from x: nobody else reads my slot)
-        for g in range(bidx, groups, nblk):
+        for g in range(bidx, self._push_groups(mSig, rank, groups), nblk):
             row = g * t.rows_per_cta + row_in_cta
             if row < m:
                 self.core.load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
@@ -290,11 +309,11 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
                 for s in cutlass.range_constexpr(self.world):
                     if Int32(s) != rank:
                         self.core.store_row(rT, self._row_view(mBuf[s], off, dtype), lane, dtype)
-        self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+        failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
 
         # phase 2: ordered float32 sum of the N slots, residual add, epilogue
         base = mBuf[rank]
-        for g in range(bidx, groups, nblk):
+        for g in range(bidx, self._unless_failed(failed, groups), nblk):
             row = g * t.rows_per_cta + row_in_cta
             row_valid = row < m
             self._reduce_row(rH, rR, rT, mX, mR, mRout, mAR, base, slot_elems, row, row, row,
@@ -344,12 +363,12 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
                                                                          lane)
         sig = self._describe_launch(mSig, rank, m)
         push_groups = (slice_rows + t.rows_per_cta - 1) // t.rows_per_cta
-        self._push_slices(mX, mBuf, rank, slice_rows, push_groups, bidx, nblk, row_in_cta, lane,
-                          rT, dtype)
-        self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+        self._push_slices(mX, mBuf, rank, slice_rows, self._push_groups(mSig, rank, push_groups),
+                          bidx, nblk, row_in_cta, lane, rT, dtype)
+        failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
 
         base = mBuf[rank]
-        for g in range(bidx, groups, nblk):
+        for g in range(bidx, self._unless_failed(failed, groups), nblk):
             i = g * t.rows_per_cta + row_in_cta
             row_valid = i < local
             self._reduce_row(rH, rR, rT, mX, mR, mRout, mAR, base, slot_elems, i,
@@ -380,15 +399,15 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
         sig = self._describe_launch(mSig, rank, m)
 
         # phase 1 (reduce-scatter push); my own slice stays in x (phase 2 reads it there)
-        self._push_slices(mX, mBuf, rank, slice_rows, groups, bidx, nblk, row_in_cta, lane, rT,
-                          dtype)
-        self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+        self._push_slices(mX, mBuf, rank, slice_rows, self._push_groups(mSig, rank, groups), bidx,
+                          nblk, row_in_cta, lane, rT, dtype)
+        failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
 
         # phase 2: reduce my slice, residual add, push T(h) (and T(acc)) to the other ranks' gather
         # areas, then finish my slice's rows here: their epilogue overlaps the NVLink traffic
         # instead of re-reading h in phase 3
         base = mBuf[rank]
-        for g in range(bidx, groups, nblk):
+        for g in range(bidx, self._unless_failed(failed, groups), nblk):
             i = g * t.rows_per_cta + row_in_cta
             row = rank * slice_rows + i
             row_valid = (i < slice_rows) & (row < m)
@@ -420,11 +439,11 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
                                row_in_cta, eps, mW, mY, mQ, mS, static_inv,
                                global_scale, bufs, rW)
             cute.arch.barrier()  # shared-memory partials are reused by the next row
-        self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+        failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig) | failed
 
         # phase 3: the other ranks' slices: full rows of gathered h -> residual_out, allreduce_out,
         # epilogue
-        for g in range(bidx, groups, nblk):
+        for g in range(bidx, self._unless_failed(failed, groups), nblk):
             i = g * t.rows_per_cta + row_in_cta
             for s in cutlass.range_constexpr(self.world):
                 if Int32(s) != rank:  # uniform over the CTA: the epilogue's barriers stay matched

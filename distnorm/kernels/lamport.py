@@ -44,7 +44,8 @@ def sanitize_word(w):
 
 class LamportOneShot:
     """The lamport algorithm of AllReduceAddRMSNormQuant (which provides self.t, self.core,
-    self.world, self.desc, _indices, _fragments, _row_addr, _finish_row, _describe_launch)."""
+    self.world, self.desc, _indices, _fragments, _row_addr, _finish_row, _describe_launch,
+    _push_groups)."""
 
     @cute.jit
     def _headers_pending(self, mSig, rank: Int32, m: Int32, hdr_area: Int64, err_addr: Int64,
@@ -143,8 +144,11 @@ class LamportOneShot:
         # NOTE [call descriptor]: thread 0 of CTA 0 pushes this launch's descriptor into header k
         # of every other rank (the readers' CTA 0 compares it with its own)
         self._describe_launch(mSig, rank, m)
+        # NOTE [a failed rank arrives nowhere]: a launch that finds the device error word set
+        # pushes neither its descriptor nor its rows, so the peers time out instead of summing
+        push_groups = self._push_groups(mSig, rank, groups)
         hdr_area = Int64(CALL_W_LAMPORT_HDR * 4) + Int64(k) * Int64(MAX_WORLD * DESCRIPTOR_WORDS * 4)
-        if (tidx == 0) & (bidx == 0):
+        if (tidx == 0) & (bidx == 0) & (push_groups == groups):
             for s in cutlass.range_constexpr(world):
                 if Int32(s) != rank:
                     st_volatile_sys_v4_u32(mSig[s] + hdr_area + Int64(rank) * Int64(16), m,
@@ -154,7 +158,7 @@ class LamportOneShot:
         # phase 1: push my rows (sanitized, NOTE [lamport sentinel]) into area k, slot `rank`, of
         # every other rank with 128-bit volatile stores. My own slot is never written (it stays
         # sentinel): phase 2 takes my rows from x.
-        for g in range(bidx, groups, nblk):
+        for g in range(bidx, push_groups, nblk):
             row = g * t.rows_per_cta + row_in_cta
             if row < m:
                 if g != bidx:  # the first row is already loaded

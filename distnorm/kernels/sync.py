@@ -12,6 +12,7 @@ one is a device function taking 64-bit generic/global addresses as ``Int64``):
     atomic_cas_sys_u32(addr, cmp, v) -> Int32  atom.relaxed.sys.global.cas.b32 (returns the old value)
     atomic_add_gpu_u32(addr, v)                red.relaxed.gpu.global.add.u32
     atom_add_acq_rel_gpu_u32(addr, v) -> Int32 atom.acq_rel.gpu.global.add.u32 (returns the old value)
+    barrier_or(pred) -> Int32                  bar.red.or.pred: a CTA barrier returning any thread's pred
     fence_acq_rel_sys()                        fence.acq_rel.sys
     globaltimer_ns() -> Int64                  mov.u64 %globaltimer (ns; ~1 us granularity)
     ld_volatile_sys_v4_u32(addr) -> 4 x Int32  ld.volatile.global.v4.u32 (16-byte aligned)
@@ -38,7 +39,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from distnorm.collectives.layout import (DEVICE_ERROR_WORD, ERROR_MISMATCH, ERROR_TIMEOUT,
-                                         FLAG_WORDS, MAX_CTAS, MAX_WORLD)
+                                         FLAG_SLOTS, FLAG_WORDS, MAX_CTAS, MAX_WORLD)
 from distnorm.kernels.ptx import inline_asm, ir_i32, ir_i64
 
 __all__ = [
@@ -46,7 +47,7 @@ __all__ = [
     "st_relaxed_sys_u32", "st_volatile_u32", "atomic_cas_sys_u32", "atomic_add_gpu_u32",
     "atom_add_acq_rel_gpu_u32", "fence_acq_rel_sys", "globaltimer_ns", "ld_volatile_sys_v4_u32",
     "st_volatile_sys_v4_u32", "ld_acquire_sys_u32x2", "st_release_sys_u32x2", "cta_barrier",
-    "record_timeout", "record_mismatch", "SPIN_CHECK_MASK",
+    "record_timeout", "record_mismatch", "barrier_or", "SPIN_CHECK_MASK",
 ]
 
 SPIN_CHECK_MASK = 255  # spinning threads look at %globaltimer and the device error word every 256 polls
@@ -143,6 +144,16 @@ def st_release_sys_u32x2(addr, lo, hi, *, loc=None, ip=None) -> None:
          "l,r,r,~{memory}")
 
 
+@dsl_user_op
+def barrier_or(pred, *, loc=None, ip=None) -> Int32:
+    """bar.red.or.pred over the whole CTA (barrier 0, a bar.sync with the same memory ordering):
+    1 on every thread if ``pred`` != 0 on any thread, else 0."""
+    return Int32(_asm(T.i32(), [ir_i32(pred, loc, ip)],
+                      "{ .reg .pred dn_in, dn_out; setp.ne.s32 dn_in, $1, 0; "
+                      "bar.red.or.pred dn_out, 0, dn_in; selp.s32 $0, 1, 0, dn_out; }",
+                      "=r,r,~{memory}"))
+
+
 # --- the barrier ------------------------------------------------------------------------------
 @cute.jit
 def _record_error(err_addr: Int64, dev_err_addr: Int64, code: cutlass.Constexpr[int], peer: Int32,
@@ -172,8 +183,10 @@ def record_mismatch(err_addr: Int64, dev_err_addr: Int64, peer: Int32, word: Int
 @cute.jit
 def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[int],
                 region_word: cutlass.Constexpr[int], block: Int32, timeout: Int64, err: cute.Tensor,
-                signature: Int32 = 0):
+                signature: Int32 = 0) -> Int32:
     """Barrier between the CTAs with index ``block`` on every rank; all threads of the CTA call it.
+    Returns 0, or 1 on every thread of the CTA when it failed (this rank was already failed, a
+    peer timed out or launched another call): the caller then writes nothing more to its peers.
 
     signal_ptrs: Int64 [world] device tensor of every rank's signal-pad base address (peer mapped).
     rank / world: this rank, group size (world <= MAX_WORLD, compile-time).
@@ -186,12 +199,24 @@ def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[
     signature: 32-bit call signature (collectives/signature.py); every rank must pass the same.
 
     Algorithm: thread t < world reads epoch = epochs[block] + 1 (relaxed load: only this CTA
-    writes it); bar.sync; thread t stores the 64-bit flag (epoch, signature) with st.release.sys
-    into rank t's flags[block][rank], polls its own flags[block][t] with ld.acquire.sys until
-    (int32)(v.epoch - epoch) >= 0, records a mismatch if v.signature differs from its own (the
-    flag of the same call: a peer cannot reach the next call's barriers before our last one), and
-    writes epoch back to epochs[block]; bar.sync. The signature costs no memory access: it rides
-    in the flag's upper half.
+    writes it) and the device error word; bar.sync; thread t stores the 64-bit flag (epoch,
+    signature) with st.release.sys into rank t's flags[block][rank][epoch % 2], polls its own
+    flags[block][t][epoch % 2] with ld.acquire.sys until (int32)(v.epoch - epoch) >= 0, records a
+    mismatch if v.signature differs from its own, and writes epoch back to epochs[block]; bar.red
+    (a bar.sync that also ORs the threads' failures). The signature costs no memory access: it
+    rides in the flag's upper half.
+
+    Why two slots: a peer that passed this barrier (it needs only our flag) may arrive at the next
+    one, maybe of the next call, before we have read its flag. With one slot it overwrote the flag
+    we were about to read: a spurious mismatch (the next call's signature), or a missed one. With a
+    slot per epoch parity it writes the other slot, and it cannot reach epoch + 2 (our slot again)
+    without our flag for epoch + 1, which we write only after reading this one.
+
+    NOTE [a failed rank arrives nowhere]: when this rank's device error word is set (a wait gave
+    up, or a mismatch), it writes no flag, so every peer waiting on it fails too (timeout) instead
+    of passing a barrier that this rank did not really keep, and reading data it did not write.
+    The kernels add the other half: after a failed barrier, and in a launch that finds the error
+    word set, they write nothing to peer memory.
 
     Memory-ordering guarantees:
     - Every write made before the barrier by any thread of this CTA (to local or peer memory) is
@@ -211,8 +236,8 @@ def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[
     Why graph-safe and repeat-safe: the epoch counter lives in device memory (the signal pad), not in
     a kernel argument, so a CUDA-graph replay or a back-to-back launch continues from the stored
     epoch and never re-uses a value a stale flag could match. A peer can be at most one epoch ahead
-    (it cannot pass epoch e+1 without our flag for e+1), so flags only ever hold epoch or epoch+1
-    and the signed 32-bit difference test survives wrap-around of the counter.
+    (it cannot pass epoch e+1 without our flag for e+1), so our slot holds epoch - 2 or epoch and
+    the signed 32-bit difference test survives wrap-around of the counter.
 
     On timeout the thread records the error (if err[0] was 0) and sets this rank's device error word
     (layout.DEVICE_ERROR_WORD); other waiters poll that word (never the pinned err, which is
@@ -222,45 +247,54 @@ def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[
     """
     tidx, _, _ = cute.arch.thread_idx()
     epochs_word = Int64(region_word) + Int64(block)
-    flags_word = Int64(region_word + MAX_CTAS) + Int64(block) * Int64(MAX_WORLD * FLAG_WORDS)
-    # Address and epoch loads are issued before the first bar.sync so their latency overlaps it.
-    # Each waiting thread writes the new epoch back itself (all write the same value) and reads it
-    # again only in program order after its own write, so no extra CTA barrier is needed for it.
+    flags_word = Int64(region_word + MAX_CTAS) + Int64(block) * Int64(MAX_WORLD * FLAG_SLOTS * FLAG_WORDS)
+    # Address, epoch and error-word loads are issued before the first bar.sync so their latency
+    # overlaps it. Each waiting thread writes the new epoch back itself (all write the same value)
+    # and reads it again only in program order after its own write, so no extra CTA barrier is
+    # needed for it.
     local_base = signal_ptrs[rank]
     epoch_addr = local_base + epochs_word * Int64(4)
+    dev_err_addr = local_base + Int64(DEVICE_ERROR_WORD * 4)
     peer_base = Int64(0)
     epoch = Int32(0)
+    failed = Int32(0)
     if tidx < world:
         peer_base = signal_ptrs[tidx]
         epoch = ld_relaxed_sys_u32(epoch_addr) + Int32(1)
+        failed = ld_volatile_sys_u32(dev_err_addr)
     cute.arch.barrier()  # every thread's earlier writes are done (ordered before the release below)
     if tidx < world:
-        st_release_sys_u32x2(peer_base + (flags_word + Int64(rank * FLAG_WORDS)) * Int64(4), epoch,
-                             Int32(signature))
-        flag_addr = local_base + (flags_word + Int64(tidx * FLAG_WORDS)) * Int64(4)
-        err_addr = err.iterator.toint()
-        dev_err_addr = local_base + Int64(DEVICE_ERROR_WORD * 4)
-        v, peer_sig = ld_acquire_sys_u32x2(flag_addr)
-        waiting = Int32(0)  # Int32 flag, not bool: loop-carried values keep one DSL type
-        if (v - epoch) < Int32(0):
-            waiting = Int32(1)
-        spins = Int32(0)
-        t0 = globaltimer_ns()
-        while waiting != Int32(0):
+        if failed == Int32(0):  # NOTE [a failed rank arrives nowhere]
+            slot = Int64((epoch & Int32(FLAG_SLOTS - 1)) * Int32(FLAG_WORDS))
+            st_release_sys_u32x2(
+                peer_base + (flags_word + Int64(rank * FLAG_SLOTS * FLAG_WORDS) + slot) * Int64(4),
+                epoch, Int32(signature))
+            flag_addr = local_base + (flags_word + Int64(tidx * FLAG_SLOTS * FLAG_WORDS) + slot) * Int64(4)
+            err_addr = err.iterator.toint()
             v, peer_sig = ld_acquire_sys_u32x2(flag_addr)
+            waiting = Int32(0)  # Int32 flag, not bool: loop-carried values keep one DSL type
+            if (v - epoch) < Int32(0):
+                waiting = Int32(1)
+            spins = Int32(0)
+            t0 = globaltimer_ns()
+            while waiting != Int32(0):
+                v, peer_sig = ld_acquire_sys_u32x2(flag_addr)
+                if (v - epoch) >= Int32(0):
+                    waiting = Int32(0)
+                spins = spins + Int32(1)
+                if (spins & Int32(SPIN_CHECK_MASK)) == Int32(0):
+                    if waiting != Int32(0):
+                        if ld_volatile_sys_u32(dev_err_addr) != Int32(0):
+                            waiting = Int32(0)  # another thread / CTA already failed: stop too
+                        else:
+                            if globaltimer_ns() - t0 > timeout:
+                                record_timeout(err_addr, dev_err_addr, tidx, epoch)
+                                waiting = Int32(0)
             if (v - epoch) >= Int32(0):
-                waiting = Int32(0)
-            spins = spins + Int32(1)
-            if (spins & Int32(SPIN_CHECK_MASK)) == Int32(0):
-                if waiting != Int32(0):
-                    if ld_volatile_sys_u32(dev_err_addr) != Int32(0):
-                        waiting = Int32(0)  # another thread / CTA already timed out: stop too
-                    else:
-                        if globaltimer_ns() - t0 > timeout:
-                            record_timeout(err_addr, dev_err_addr, tidx, epoch)
-                            waiting = Int32(0)
-        if (v - epoch) >= Int32(0):
-            if peer_sig != Int32(signature):
-                record_mismatch(err_addr, dev_err_addr, tidx, Int32(-1), peer_sig)
-        st_relaxed_sys_u32(epoch_addr, epoch)
-    cute.arch.barrier()
+                if peer_sig != Int32(signature):
+                    record_mismatch(err_addr, dev_err_addr, tidx, Int32(-1), peer_sig)
+                    failed = Int32(1)
+            else:
+                failed = Int32(1)  # gave up waiting
+            st_relaxed_sys_u32(epoch_addr, epoch)
+    return barrier_or(failed)

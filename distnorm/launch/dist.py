@@ -88,7 +88,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
                      cuda: bool | None = None) -> LaunchEnv:
     """Initialize ``torch.distributed`` for this process once; later calls return the same env.
 
-    backend: ``None`` picks ``"nccl"`` with CUDA, else ``"gloo"``.
+    backend: ``None`` picks ``"nccl"`` with CUDA, else ``"gloo"``; also ``"gloo"`` when this node
+        has more ranks than GPUs (ranks share GPUs, which NCCL refuses: "Duplicate GPU detected").
     timeout_s: collective timeout handed to ``init_process_group``.
     cuda: ``None`` uses CUDA when a GPU is visible; ``False`` keeps this process off the GPUs
         (gloo, no device selected: CPU work may run more ranks than there are GPUs); ``True``
@@ -126,7 +127,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
             env = LaunchEnv(rank, rank, world, world, "single")
         return env
 
-    backend = backend or ("nccl" if use_cuda else "gloo")
+    if backend is None:
+        shares_gpus = use_cuda and env.local_world_size > torch.cuda.device_count()
+        backend = "nccl" if use_cuda and not shares_gpus else "gloo"
     kwargs: dict[str, Any] = {
         "backend": backend,
         "rank": env.rank,

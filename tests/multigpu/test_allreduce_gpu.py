@@ -18,13 +18,14 @@ failure fails every rank instead of leaving the others stuck in a collective.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 
 import pytest
 import torch
 
-from harness import MULTIGPU_MARKS, gathered_check as _gathered_check
+from harness import MULTIGPU_MARKS, all_gather_tensors as _all_gather, gathered_check as _gathered_check
 from distnorm.launch import run_distributed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,13 +60,6 @@ def _boot():
     from distnorm.comm import resolve_bootstrap
     return resolve_bootstrap(None)
 
-
-
-def _all_gather(t: torch.Tensor) -> list:
-    import torch.distributed as dist
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
-    return parts
 
 
 def _inputs(M, H, rank, seed, dtype=torch.bfloat16):
@@ -113,17 +107,23 @@ def _check(out, ref, spec, kw, M, H):
                            global_scale=kw.get("global_scale"))
 
 
-def _check_same_across_ranks(out, spec):
+def _digests(out, spec) -> list:
+    """SHA-256 of each output's bytes: compared across ranks after the checks (gathered as
+    objects, so a rank that failed its checks never meets the others in a tensor collective)."""
     tensors = [out.residual, out.y, out.allreduce]
     if spec is not None:
         tensors.append(out.q)
         if spec.kind != "fp8":
             tensors.append(out.scales)
-    for i, t in enumerate(tensors):
-        b = t.contiguous().view(torch.uint8)
-        parts = _all_gather(b)
-        for r, p in enumerate(parts):
-            assert torch.equal(p, parts[0]), f"output {i} of rank {r} differs from rank 0's"
+    return [hashlib.sha256(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+            for t in tensors]
+
+
+def _assert_same_across_ranks(boot, digests) -> None:
+    every = boot.all_gather_object(digests)
+    for r, d in enumerate(every):
+        differ = [i for i, (a, b) in enumerate(zip(d, every[0])) if a != b]
+        assert not differ, f"outputs {differ} of rank {r} differ from rank 0's"
 
 
 def _capacity_rows(algo, world, H, spec):
@@ -138,6 +138,9 @@ def _capacity_rows(algo, world, H, spec):
 
 
 def _one_case(ws, boot, algo, qname, M, H, seed):
+    """One call checked here against the reference; returns the outputs' digests. Every collective
+    (the all-gather of x, the two ops) comes before the first check, so a failed check on one rank
+    never leaves the others in a collective."""
     from distnorm.collectives import allreduce, allreduce_add_rmsnorm
     from distnorm.reference import allreduce_add_rmsnorm_ref, allreduce_ref
 
@@ -148,14 +151,14 @@ def _one_case(ws, boot, algo, qname, M, H, seed):
     outs = _poisoned_outs(spec, M, H, x.dtype)
     out = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, algo=algo, norm_out=True,
                                 allreduce_out=True, **kw, **outs)
+    plain = allreduce(x, workspace=ws, algo=algo) if qname == "none" else None  # same kernels
     torch.cuda.synchronize()
     ws.raise_if_failed()
     _check(out, ref, spec, kw, M, H)
-    _check_same_across_ranks(out, spec)
-    if qname == "none":  # plain all-reduce, same kernels
-        s = allreduce(x, workspace=ws, algo=algo)
-        torch.cuda.synchronize()
-        assert torch.equal(s.view(torch.int16), allreduce_ref(xs).view(torch.int16)), "allreduce() differs"
+    if plain is not None:
+        assert torch.equal(plain.view(torch.int16), allreduce_ref(xs).view(torch.int16)), \
+            "allreduce() differs"
+    return _digests(out, spec)
 
 
 def _body_grid(algo: str) -> None:
@@ -172,7 +175,8 @@ def _body_grid(algo: str) -> None:
                         M = _capacity_rows(algo, ws.world_size, H, spec) + 1
                     seed += 1
                     try:
-                        _gathered_check(boot, _one_case, ws, boot, algo, qname, M, H, seed)
+                        digests = _gathered_check(boot, _one_case, ws, boot, algo, qname, M, H, seed)
+                        _assert_same_across_ranks(boot, digests)
                     except AssertionError as e:
                         raise AssertionError(f"{algo} {qname} M={M} H={H}: {e}") from None
         ws.barrier()
@@ -261,7 +265,8 @@ def _body_lamport_chunks() -> None:
                          (5 * cap, "none"), (1, "none")):
             assert choose_algo("auto", ws.world_size, cap + 1, H, 2, ws.buffer_bytes) != "lamport"
             try:
-                _gathered_check(boot, _one_case, ws, boot, "lamport", qname, M, H, 7000 + M)
+                digests = _gathered_check(boot, _one_case, ws, boot, "lamport", qname, M, H, 7000 + M)
+                _assert_same_across_ranks(boot, digests)
             except AssertionError as e:
                 raise AssertionError(f"lamport chunks cap={cap} M={M} {qname}: {e}") from None
         ws.barrier()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from distnorm.comm import BACKENDS, CommTimeoutError, Workspace, resolve_bootstrap
-from harness import MULTIGPU_MARKS, TIMEOUT_S, WORLD, gathered_check as _gathered_check
+from harness import MULTIGPU_MARKS, SHARE_GPUS, TIMEOUT_S, WORLD, gathered_check as _gathered_check
 from distnorm.launch import detect_launch_env, get_or_create_group, run_distributed
 
 pytestmark = MULTIGPU_MARKS
@@ -34,10 +34,19 @@ def _has_torch_symm() -> bool:
     return True
 
 
-_AVAILABLE = {"vmm": True, "torch_symm": _has_torch_symm(),
-              "nvshmem": importlib.util.find_spec("nvshmem") is not None}
-BACKEND_PARAMS = [pytest.param(b, marks=pytest.mark.skipif(not _AVAILABLE[b],
-                                                           reason=f"{b} not installed"))
+def _unavailable(backend: str) -> str | None:
+    """Why ``backend`` cannot be tested here (None when it can)."""
+    installed = {"vmm": True, "torch_symm": _has_torch_symm(),
+                 "nvshmem": importlib.util.find_spec("nvshmem") is not None}
+    if not installed[backend]:
+        return f"{backend} not installed"
+    if backend == "torch_symm" and SHARE_GPUS:  # its rendezvous rejects "overlapping devices"
+        return "torch_symm needs a GPU per rank (DISTNORM_SHARE_GPUS=1)"
+    return None
+
+
+BACKEND_PARAMS = [pytest.param(b, marks=pytest.mark.skipif(_unavailable(b) is not None,
+                                                           reason=_unavailable(b) or ""))
                   for b in BACKENDS]
 
 

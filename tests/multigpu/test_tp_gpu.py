@@ -23,6 +23,8 @@ BOUNDS = {False: 2e-2, True: 6e-2}  # as tests/test_tp_cpu.py
 def _body(fp8: bool, decode: bool) -> None:
     from dataclasses import replace
 
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     import torch.distributed as dist
 
     import distnorm
@@ -41,7 +43,10 @@ def _body(fp8: bool, decode: bool) -> None:
             if decode:  # a decode step of the distnorm.tp form in a CUDA graph
                 model = DecoderStack(cfg, 2, "distnorm", ws, device)
                 a, residual, caches = make_inputs(cfg, 8, True, 2, device)
-                with torch.no_grad():
+                # the math attention: the fused SDPA kernels' decode output differs from run to run
+                # in the last bit (seen on an H200, torch 2.11), which a bitwise check would blame
+                # on the graph
+                with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
                     want = model(a, residual.clone(), caches)[1]
                     static_res = residual.clone()
                     torch.cuda.synchronize()

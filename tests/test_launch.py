@@ -146,6 +146,13 @@ def test_init_distributed_argument_checks():
         dist_mod.init_distributed(timeout_s=0)
 
 
+def test_default_backend():
+    assert dist_mod.default_backend(True, 2, 2) == "nccl"
+    assert dist_mod.default_backend(True, 2, 8) == "nccl"
+    assert dist_mod.default_backend(True, 2, 1) == "gloo"  # ranks share a GPU: NCCL refuses
+    assert dist_mod.default_backend(False, 2, 0) == "gloo"
+
+
 def test_free_port_is_bindable():
     import socket
 

@@ -63,6 +63,13 @@ def local_device_index(env: LaunchEnv) -> int:
     return env.local_rank % count
 
 
+def default_backend(use_cuda: bool, local_ranks: int, gpus: int) -> str:
+    """torch.distributed's backend when none is given: NCCL on GPUs, gloo without them, and gloo
+    when this node's ranks outnumber its GPUs (NCCL refuses two ranks on one GPU: "Duplicate GPU
+    detected"; the ranks then share GPUs, e.g. DISTNORM_SHARE_GPUS=1 tests)."""
+    return "nccl" if use_cuda and local_ranks <= gpus else "gloo"
+
+
 def _ensure_master_addr(env: LaunchEnv) -> None:
     if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
         return
@@ -88,8 +95,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
                      cuda: bool | None = None) -> LaunchEnv:
     """Initialize ``torch.distributed`` for this process once; later calls return the same env.
 
-    backend: ``None`` picks ``"nccl"`` with CUDA, else ``"gloo"``; also ``"gloo"`` when this node
-        has more ranks than GPUs (ranks share GPUs, which NCCL refuses: "Duplicate GPU detected").
+    backend: ``None``: ``default_backend`` (NCCL with a GPU per rank, else gloo).
     timeout_s: collective timeout handed to ``init_process_group``.
     cuda: ``None`` uses CUDA when a GPU is visible; ``False`` keeps this process off the GPUs
         (gloo, no device selected: CPU work may run more ranks than there are GPUs); ``True``
@@ -128,8 +134,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
         return env
 
     if backend is None:
-        shares_gpus = use_cuda and env.local_world_size > torch.cuda.device_count()
-        backend = "nccl" if use_cuda and not shares_gpus else "gloo"
+        backend = default_backend(use_cuda, env.local_world_size,
+                                  torch.cuda.device_count() if use_cuda else 0)
     kwargs: dict[str, Any] = {
         "backend": backend,
         "rank": env.rank,

@@ -34,7 +34,8 @@ def multigpu_skip_reason() -> str | None:
         return None
     if gpus < env.local_world_size:
         return (f"{env.launcher} started {env.local_world_size} ranks on this node, torch sees "
-                f"{gpus} GPUs: needs one GPU per rank")
+                f"{gpus} GPUs: needs one GPU per rank (or DISTNORM_SHARE_GPUS=1 and >= 1 GPU: "
+                "ranks share it, a check of correctness only)")
     return None
 
 

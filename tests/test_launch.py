@@ -153,6 +153,20 @@ def test_default_backend():
     assert dist_mod.default_backend(False, 2, 0) == "gloo"
 
 
+def test_launch_world_size_shares_one_gpu_only_when_asked(monkeypatch):
+    import torch
+
+    from distnorm.launch import launch_world_size
+
+    for key in set(os.environ) - set(without_launcher_vars(os.environ)):
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for gpus, share, want in ((1, "0", 1), (1, "1", 2), (2, "1", 2), (4, "0", 4), (0, "1", 0)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        monkeypatch.setenv("DISTNORM_SHARE_GPUS", share)
+        assert launch_world_size() == want, (gpus, share)
+
+
 def test_free_port_is_bindable():
     import socket
 

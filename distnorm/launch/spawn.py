@@ -35,12 +35,16 @@ def in_multiprocess_launch() -> bool:
 
 
 def launch_world_size() -> int:
-    """Ranks a multi-GPU test will see: the launcher's world size, else the visible GPU count."""
+    """Ranks a multi-GPU test will see: the launcher's world size, else the visible GPU count, or 2
+    on one GPU with DISTNORM_SHARE_GPUS=1 (two self-started ranks share it: a correctness check)."""
     if in_multiprocess_launch():
         return detect_launch_env().world_size
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 1 and os.environ.get("DISTNORM_SHARE_GPUS", "0") == "1":
+        return 2
+    return gpus
 
 
 def failure_kind(e: BaseException) -> str:

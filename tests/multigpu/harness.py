@@ -10,23 +10,28 @@ import pytest
 
 from distnorm.launch import detect_launch_env, in_multiprocess_launch, launch_world_size
 
-# Opt-in: under torchrun / mpirun, ranks may share GPUs (e.g. 2 ranks on 1 GPU). The kernels then
-# run correctly but time-sliced (no timings mean anything), torch.distributed uses gloo (NCCL
-# refuses two ranks on one GPU), and peers on the same GPU map each other's memory as on two.
+# Opt-in: ranks may share GPUs (under torchrun / mpirun: more ranks than GPUs; self-spawned on one
+# GPU: 2 ranks, distnorm.launch.launch_world_size). The kernels then run correctly but time-sliced
+# (no timings mean anything), torch.distributed uses gloo (NCCL refuses two ranks on one GPU), and
+# peers on the same GPU map each other's memory as on two. docs/TESTING.md says what it checks.
 SHARE_GPUS = os.environ.get("DISTNORM_SHARE_GPUS", "0") == "1"
 
 
 def multigpu_skip_reason() -> str | None:
     """Why the multi-GPU tests cannot run in this process (None when they can).
 
-    Self-spawned: they need >= 2 visible GPUs. Under torchrun / mpirun: >= 2 ranks, and a GPU for
-    every rank on this node (with DISTNORM_SHARE_GPUS=1 one GPU for all: a correctness check).
+    Self-spawned: they need >= 2 visible GPUs (or 1 with DISTNORM_SHARE_GPUS=1). Under torchrun /
+    mpirun: >= 2 ranks, and a GPU for every rank on this node (with DISTNORM_SHARE_GPUS=1 one GPU
+    for all). Sharing is a check of correctness only.
     """
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not in_multiprocess_launch():
-        return None if gpus >= 2 else f"needs >= 2 GPUs to self-spawn one process per GPU, torch sees {gpus}"
+        if gpus >= 2 or (SHARE_GPUS and gpus == 1):
+            return None
+        return (f"needs >= 2 GPUs to self-spawn one process per GPU (or 1 with "
+                f"DISTNORM_SHARE_GPUS=1), torch sees {gpus}")
     env = detect_launch_env()
     if env.world_size < 2:
         return f"needs >= 2 ranks, {env.launcher} started {env.world_size}"

@@ -66,7 +66,7 @@ __all__ = [
 MAX_CTAS = 1024   # CTA indices a barrier region has epochs and flags for
 MAX_WORLD = 8     # ranks a barrier region has flags for
 FLAG_WORDS = 2    # a flag is (epoch, signature): one 64-bit word
-FLAG_SLOTS = 2    # flags of even and odd epochs
+FLAG_SLOTS = 2    # flags of even and odd epochs (a power of two: kernels take epoch & (FLAG_SLOTS - 1))
 REGION_WORDS = MAX_CTAS + MAX_CTAS * MAX_WORLD * FLAG_SLOTS * FLAG_WORDS  # 33792 words = 132 KiB
 
 REGION_BARRIER_TEST = 0

@@ -83,3 +83,21 @@ def all_gather_tensors(t, group=None) -> list:
     parts = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(parts, t.contiguous(), group=group)
     return parts
+
+
+class Expectations:
+    """Checks that record a failure instead of raising it, for check functions that keep calling
+    collectives after a check: a rank whose check failed still makes every call the others make
+    (a raise would leave them in a collective this rank never enters). ``raise_any()`` at the end.
+    """
+
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+
+    def __call__(self, ok: bool, message: str) -> None:
+        if not ok:
+            self.failures.append(message)
+
+    def raise_any(self) -> None:
+        more = f" (and {len(self.failures) - 10} more)" if len(self.failures) > 10 else ""
+        assert not self.failures, "; ".join(self.failures[:10]) + more

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from harness import MULTIGPU_MARKS, gathered_check
+from harness import MULTIGPU_MARKS, Expectations, gathered_check
 from distnorm.launch import run_distributed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,6 +35,7 @@ def _body() -> None:
     assert peer.p2p_ok and not nccl.p2p_ok and "none" in nccl.fallback_reason
 
     def check():
+        expect = Expectations()  # every rank makes every call, whatever it finds
         H = 4096
         w = (torch.rand(H, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
              + 0.5).to(torch.bfloat16)
@@ -53,8 +54,8 @@ def _body() -> None:
                                                           allreduce_out=True, **kw)
                     for field in ("residual", "y", "q", "scales", "allreduce"):
                         a, b = _bytes(getattr(got, field)), _bytes(getattr(want, field))
-                        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), \
-                            f"{name} M={M} {algo}: {field} differs from the peer path"
+                        expect((a is None) == (b is None) and (a is None or torch.equal(a, b)),
+                               f"{name} M={M} {algo}: {field} differs from the peer path")
                 a, b = distnorm.shard_rows(M, nccl)
                 shards = {}
                 for label, ws in (("nccl", nccl), ("kernel", peer)):  # peer: reducescatter kernel
@@ -63,19 +64,22 @@ def _body() -> None:
                     full = distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, 1e-6, workspace=ws,
                                                                gather=True, **kw)
                     tag = f"{name} M={M} {label}"
-                    assert torch.equal(shards[label].residual, want.residual[a:b]), tag + " shard h"
-                    assert torch.equal(shards[label].y, want.y[a:b]), tag + " shard y"
+                    expect(torch.equal(shards[label].residual, want.residual[a:b]),
+                           tag + " shard h")
+                    expect(torch.equal(shards[label].y, want.y[a:b]), tag + " shard y")
                     if quant is not None:
-                        assert torch.equal(_bytes(full.q), _bytes(want.q)), tag + " gathered q"
-                        assert torch.equal(_bytes(shards[label].q), _bytes(want.q[a:b])), tag
+                        expect(torch.equal(_bytes(full.q), _bytes(want.q)), tag + " gathered q")
+                        expect(torch.equal(_bytes(shards[label].q), _bytes(want.q[a:b])),
+                               tag + " shard q")
                         if quant != "fp8":
-                            assert torch.equal(_bytes(full.scales), _bytes(want.scales)), \
-                                tag + " gathered scales"
+                            expect(torch.equal(_bytes(full.scales), _bytes(want.scales)),
+                                   tag + " gathered scales")
                 for field in ("scales",):  # the shard's own layout (swizzled for its rows)
                     sa, sb = getattr(shards["nccl"], field), getattr(shards["kernel"], field)
-                    assert (sa is None) == (sb is None) and (sa is None or torch.equal(
-                        _bytes(sa), _bytes(sb))), f"{name} M={M}: shard scales differ"
+                    expect((sa is None) == (sb is None) and (sa is None or torch.equal(
+                        _bytes(sa), _bytes(sb))), f"{name} M={M}: shard scales differ")
         torch.cuda.synchronize()
+        expect.raise_any()
 
     def graphs():  # the sequence-parallel op replays in a CUDA graph, both paths
         H, M = 4096, 300

@@ -218,9 +218,9 @@ def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int | None = Non
     """Run ``fn(*args)`` on every rank: directly under torchrun/mpirun, else on self-started ranks.
 
     Under a launcher the job's world is used as is (``nprocs`` is ignored) and torch.distributed
-    stays initialized for the next call; otherwise ``nprocs`` defaults to the visible GPU count and
-    the ranks are this process's persistent pool (launch/pool.py: started once, so later calls skip
-    the start-up and compiles), or fresh processes per call with ``reuse=False`` (spawn()).
+    stays initialized for the next call; otherwise ``nprocs`` defaults to ``launch_world_size()``
+    and the ranks are this process's persistent pool (launch/pool.py: started once, so later calls
+    skip the start-up and compiles), or fresh processes per call with ``reuse=False`` (spawn()).
     """
     if in_multiprocess_launch():
         from distnorm.launch.dist import init_distributed

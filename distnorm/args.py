@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .formats import (MAX_HIDDEN, MIN_HIDDEN, VEC, QuantSpec, check_hidden, empty_scales,
+from .formats import (MAX_HIDDEN, MIN_HIDDEN, QuantSpec, check_hidden, empty_scales,
                       hidden_multiple, q_dtype, q_shape, scales_geometry)
 
 ACT_DTYPES = (torch.bfloat16, torch.float16)
@@ -244,7 +244,7 @@ def inputs_look_valid(x, residual, weight, spec, eps) -> bool:
     if len(shape) != 2 or x.dtype not in ACT_DTYPES:
         return False
     H = shape[1]
-    if H % (VEC if spec is None else spec.hidden_multiple) or not MIN_HIDDEN <= H <= MAX_HIDDEN:
+    if H % hidden_multiple(spec) or not MIN_HIDDEN <= H <= MAX_HIDDEN:
         return False
     dev = x.get_device()
     if (weight.shape != (H,) or weight.dtype != x.dtype or x.stride(1) != 1

@@ -15,7 +15,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 __all__ = ["LaunchEnv", "detect_launch_env", "LAUNCHERS", "NO_MULTICAST_ENV", "apply_no_multicast_env",
-           "LAUNCHER_VARIABLES", "LAUNCHER_PREFIXES", "without_launcher_vars"]
+           "LAUNCHER_VARIABLES", "LAUNCHER_PREFIXES", "without_launcher_vars", "gpu_sharing_requested"]
 
 #: launcher names, in the order they are looked for
 LAUNCHERS = ("torchrun", "openmpi", "mpich", "single")
@@ -158,3 +158,10 @@ def apply_no_multicast_env(environ: MutableMapping[str, str] | None = None) -> N
             logging.getLogger(__name__).warning(
                 "distnorm: overriding %s=%s with %s (NVLink multicast stays off)", key, old, value)
         environ[key] = value
+
+
+def gpu_sharing_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """DISTNORM_SHARE_GPUS=1: multi-GPU tests may run more ranks than GPUs (ranks share a GPU,
+    time-sliced: a check of correctness only; docs/TESTING.md)."""
+    environ = os.environ if environ is None else environ
+    return environ.get("DISTNORM_SHARE_GPUS", "0") == "1"

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from distnorm.launch.env import detect_launch_env, without_launcher_vars
+from distnorm.launch.env import detect_launch_env, gpu_sharing_requested, without_launcher_vars
 
 __all__ = ["spawn", "in_multiprocess_launch", "run_distributed", "launch_world_size"]
 
@@ -42,7 +42,7 @@ def launch_world_size() -> int:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus == 1 and os.environ.get("DISTNORM_SHARE_GPUS", "0") == "1":
+    if gpus == 1 and gpu_sharing_requested():
         return 2
     return gpus
 

@@ -3,18 +3,18 @@ they skip), and a check that fails on every rank when any rank fails (so no rank
 the next collective)."""
 from __future__ import annotations
 
-import os
 import traceback
 
 import pytest
 
 from distnorm.launch import detect_launch_env, in_multiprocess_launch, launch_world_size
+from distnorm.launch.env import gpu_sharing_requested
 
 # Opt-in: ranks may share GPUs (under torchrun / mpirun: more ranks than GPUs; self-spawned on one
 # GPU: 2 ranks, distnorm.launch.launch_world_size). The kernels then run correctly but time-sliced
 # (no timings mean anything), torch.distributed uses gloo (NCCL refuses two ranks on one GPU), and
 # peers on the same GPU map each other's memory as on two. docs/TESTING.md says what it checks.
-SHARE_GPUS = os.environ.get("DISTNORM_SHARE_GPUS", "0") == "1"
+SHARE_GPUS = gpu_sharing_requested()
 
 
 def multigpu_skip_reason() -> str | None:

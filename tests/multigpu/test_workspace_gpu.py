@@ -45,9 +45,8 @@ def _unavailable(backend: str) -> str | None:
     return None
 
 
-BACKEND_PARAMS = [pytest.param(b, marks=pytest.mark.skipif(_unavailable(b) is not None,
-                                                           reason=_unavailable(b) or ""))
-                  for b in BACKENDS]
+BACKEND_PARAMS = [pytest.param(b, marks=pytest.mark.skipif(why is not None, reason=why or ""))
+                  for b, why in ((b, _unavailable(b)) for b in BACKENDS)]
 
 
 # --- helpers (run on every rank) -----------------------------------------------------------

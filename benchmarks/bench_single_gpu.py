@@ -27,7 +27,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import copy_bandwidth_tbs, host_us_per_call, time_eager_us, time_graph_us  # noqa: E402
 
 import distnorm  # noqa: E402
-from distnorm import formats  # noqa: E402
+from distnorm import formats, ops  # noqa: E402
 from distnorm.reference import add_rmsnorm_ref  # noqa: E402
 
 VARIANTS = {
@@ -73,6 +73,9 @@ def main():
     ap.add_argument("--Ms", type=int, nargs="+", help="row counts (default 1 .. 65536)")
     ap.add_argument("--Hs", type=int, nargs="+", help="hidden sizes (default 1536 .. 32768)")
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="default: all")
+    ap.add_argument("--cluster-sizes", type=int, nargs="+", metavar="N",
+                    help="A/B of the thread-block cluster size: each point also timed (cold) with "
+                         "the row spread over N CTAs (sizes H cannot split into are left out)")
     args = ap.parse_args()
     if args.merge:
         merge(args.merge, args.out + ".json")
@@ -106,6 +109,12 @@ def main():
                 us = _time_rotating(lambda x, r, outs: distnorm.add_rmsnorm(x, r, w, 1e-6, **kw, **outs), sets)
                 row = dict(variant=vname, M=M, H=H, us=us, tbs=nbytes / us / 1e6, bytes=nbytes,
                            sets=len(sets))
+                if args.cluster_sizes:
+                    row["us_by_cluster"] = {
+                        n: _time_rotating(lambda x, r, outs: distnorm.add_rmsnorm(
+                            x, r, w, 1e-6, **kw, **outs), sets)
+                        for n in args.cluster_sizes if _force_cluster(n, H)}
+                    _force_cluster(None, H)
                 if len(sets) > 1:  # the footprint fits in L2: the hot figure too
                     row["us_hot"] = _time_rotating(
                         lambda x, r, outs: distnorm.add_rmsnorm(x, r, w, 1e-6, **kw, **outs), sets[:1])
@@ -133,6 +142,20 @@ def main():
         write_heatmap(args.out + ".png", rows, variants, Ms, Hs, copy_bw)
     except Exception as e:  # matplotlib missing: the table is the result
         print("no heatmap:", e)
+
+
+_CHOSEN_CLUSTER = ops._cluster_size
+
+
+def _force_cluster(n, H: int) -> bool:
+    """Make the ops launch clusters of n CTAs (None: the library's choice again); False when a row
+    of H elements does not split into n CTAs."""
+    from distnorm.kernels.tiling import cluster_sizes
+    if n is not None and n not in cluster_sizes(H):
+        return False
+    ops._cluster_size = _CHOSEN_CLUSTER if n is None else (lambda *key: n)
+    ops._fused_kernel.cache_clear()
+    return True
 
 
 def variant_kwargs(variant: str) -> dict:
@@ -237,7 +260,8 @@ def write_table(path, meta, rows):
         lines.append(f"| {r['variant']} | {r['M']} | {r['H']} | {r.get('sets', 1)} | {r['us']:.2f} | {r['tbs']:.2f} | {r['pct_copy']:.0f}% | "
                      f"{'' if hot is None else round(hot, 2)} | "
                      f"{r.get('eager_us', float('nan')):.1f} | {c if c is None else round(c, 2)} | "
-                     + ("" if c is None else "%.2fx" % (c / r["us"])) + " |")
+                     + ("" if c is None else "%.2fx" % (c / r["us"])) + " |"
+                     + "".join(f" cluster {k}: {v:.2f} us |" for k, v in r.get("us_by_cluster", {}).items()))
     open(path, "w").write("\n".join(lines) + "\n")
 
 

@@ -22,37 +22,53 @@ from .rows import call_on_rows
 
 # ---- kernel dispatch ----------------------------------------------------------------------------
 
-FEW_ROWS = 64  # up to this many rows a row is spread over a cluster (cluster_for)
+FEW_ROWS = 64  # up to this many rows a long row may be spread over a cluster (cluster_for)
+DECODE_ROWS = 48  # up to this many rows the 4-CTA spread pays (measured at 40, not at 64)
 
 
-def cluster_for(H: int, M: int) -> int:
-    """Thread-block cluster size (CTAs sharing one row's threads through distributed shared memory).
+def cluster_for(H: int, M: int, spec: Optional[QuantSpec] = None) -> int:
+    """Thread-block cluster size (CTAs sharing one row's threads through distributed shared memory)
+    of the single-GPU kernel for M rows of H elements in format `spec`.
 
-    Few rows (M <= 64): one CTA per 4096 elements of a row, up to the portable 8, so a decode step's
-    row is spread over several SMs. Many rows: no cluster. At H = 32768 a 2-CTA cluster used to be
-    chosen there; one 512-thread CTA is 4-55% faster (H200, 1024 and 16384 rows: per-token FP8 3.22
-    -> 4.24 TB/s, NVFP4 2.25 -> 3.48; ncu showed the cluster barrier's memory-barrier stalls behind
-    the residual stores). Rounded down to a size that splits the row's threads into whole warps.
-    The size never changes a row's bits (NOTE [batch invariance] in kernels/norm_quant.py).
+    Measured on H200 (benchmarks/results/cluster_ab_h200.md: M = 1, 16, 40, 64, H = 8192..32768,
+    every format, cluster 1/2/4/8, cold L2): a cluster pays only from H = 16384 and only up to 64
+    rows. Up to 48 rows (measured at 1, 16, 40): 4 CTAs, within 0.1 us of the best size at every
+    point but bf16 output at M=1, H=32768 (8 CTAs: 0.2 us faster); 8 CTAs, chosen before, were 0.6-1.4
+    us slower than 4 for the block-scaled formats at H=32768. 49 to 64 rows (measured at 64): 2
+    CTAs at H = 32768 and for the block-scaled formats at H = 16384, else none. At H = 8192 the
+    2-CTA cluster chosen before was 0.0-0.4 us slower than one CTA at every M and format. Rounded
+    down to a size that splits the row's threads into whole warps. The size never changes a row's
+    bits (NOTE [batch invariance] in kernels/norm_quant.py).
     """
-    return _cluster_size(H, M <= FEW_ROWS)
+    return _cluster_size(H, _rows_bucket(M), spec is not None and spec.block_scaled)
+
+
+def _rows_bucket(M: int) -> int:
+    """0: decode (M <= DECODE_ROWS), 1: few rows (M <= FEW_ROWS), 2: many rows."""
+    return 0 if M <= DECODE_ROWS else 1 if M <= FEW_ROWS else 2
 
 
 @functools.cache
-def _cluster_size(H: int, few_rows: bool) -> int:
-    want = max(1, min(8, H // 4096)) if few_rows else 1
+def _cluster_size(H: int, rows_bucket: int, block_scaled: bool) -> int:
+    if rows_bucket == 2 or H < 16384:
+        want = 1
+    elif rows_bucket == 0:
+        want = 4
+    else:
+        want = 2 if H >= 32768 or block_scaled else 1
     return max(n for n in cluster_sizes(H) if n <= want)
 
 
 @functools.cache
 def _fused_kernel(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_residual: bool,
-                  gemma: bool, write_y: bool, few_rows: bool):
+                  gemma: bool, write_y: bool, rows_bucket: int):
     """The compiled kernel for one call's compile-time key; cached here as well as in
     compiled_fused_norm so that an eager call pays one dictionary lookup (host time)."""
     from .kernels.compile import compiled_fused_norm
 
     return compiled_fused_norm(DTYPE_NAMES[dtype], H, kernel_spec(spec), has_residual, gemma,
-                               write_y, _cluster_size(H, few_rows))
+                               write_y, _cluster_size(H, rows_bucket,
+                                                      spec is not None and spec.block_scaled))
 
 
 def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,
@@ -61,7 +77,7 @@ def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, g
     if M == 0:
         return
     kernel = _fused_kernel(x.dtype, H, spec, residual is not None, gemma, y_out is not None,
-                           M <= FEW_ROWS)
+                           _rows_bucket(M))
     qv, sv = kernel_views(spec, q_out, scales_out)
     kernel(x, residual, residual_out, weight, y_out, qv, sv, scale, global_scale, float(eps))
 

@@ -73,8 +73,13 @@ def _good_calls(ws, n: int) -> None:
     from distnorm.collectives import check
     from distnorm.reference import allreduce_add_rmsnorm_ref
 
+    from distnorm.comm import resolve_bootstrap
+
     for algo in ALGOS:  # a rank compiling while its peer waits in a kernel would time out (2 s here)
         _precompile(ws, algo)
+    # ranks' compile caches differ (rank 0 compiled the failed call's kernel already): without this
+    # barrier one rank's first kernel waits out its timeout while the other still compiles
+    resolve_bootstrap(None).barrier()
     for i in range(n):
         M = (1, 37, 600)[(i // 3) % 3]  # every algorithm meets every size
         x, res, w, out = _call(ws, ALGOS[i % 3], M=M, seed=i)

@@ -4,7 +4,9 @@ Run any of:
     torchrun --nproc-per-node 2 -m pytest tests/multigpu/test_allreduce_gpu.py -q
     mpirun -np 2 python -m pytest tests/multigpu/test_allreduce_gpu.py -q
     python -m pytest tests/multigpu/test_allreduce_gpu.py -q          # spawns one process per GPU
-DISTNORM_FULL=1 runs the full grid (algo x quant x M x H); the default grid takes a few minutes.
+DISTNORM_FULL=1 runs the full grid (algo x quant x M x H); the default grid takes a few minutes;
+DISTNORM_QUICK=1 a smaller one with 100 graph replays and 1,000 back-to-back calls (for 4 or 8 ranks
+sharing one GPU, DISTNORM_SHARE_GPUS=1, where every call waits for its peers' time slices).
 Algorithms: oneshot, twoshot, lamport (grid incl. M above capacity -> chunks, 1000 CUDA-graph
 replays, 10,000 back-to-back calls mixing all of them, lamport chunking on a small workspace, and
 data that looks like lamport's sentinel).
@@ -33,6 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = MULTIGPU_MARKS
 FULL = os.environ.get("DISTNORM_FULL") == "1"
+QUICK = os.environ.get("DISTNORM_QUICK") == "1"  # e.g. 4 or 8 ranks sharing one GPU
+GRAPH_REPLAYS = 100 if QUICK else 1000
+BACK_TO_BACK_CALLS = 1000 if QUICK else 10_000
 TIMEOUT_S = 900 if FULL else 400
 MiB = 1 << 20
 BUFFER_BYTES = 32 * MiB
@@ -51,6 +56,9 @@ if FULL:  # every format of the issue; the default grid keeps five of them
                    "mxfp4": ("mxfp4", {"sf_layout": "swizzled"})})
     TOKENS = [1, 3, 64, 1000, 8192, "cap+1"]
     HIDDEN = [2048, 4096, 7168, 8192]
+elif QUICK:
+    TOKENS = [1, 1000, "cap+1"]
+    HIDDEN = [4096]
 else:
     TOKENS = [1, 3, 1000, "cap+1"]
     HIDDEN = [4096, 7168]
@@ -489,11 +497,11 @@ def test_allreduce_add_rmsnorm_grid(algo):
 
 @pytest.mark.parametrize("algo", ALGOS)
 def test_cuda_graph_replays(algo):
-    run_distributed(_body_graph, algo, 1000, timeout_s=TIMEOUT_S)
+    run_distributed(_body_graph, algo, GRAPH_REPLAYS, timeout_s=TIMEOUT_S)
 
 
 def test_back_to_back_changing_m():
-    run_distributed(_body_back_to_back, 10_000, timeout_s=TIMEOUT_S)
+    run_distributed(_body_back_to_back, BACK_TO_BACK_CALLS, timeout_s=TIMEOUT_S)
 
 
 def test_lamport_chunks_above_capacity():

@@ -36,7 +36,8 @@ def cluster_for(H: int, M: int, spec: Optional[QuantSpec] = None) -> int:
     point but bf16 output at M=1, H=32768 (8 CTAs: 0.2 us faster); 8 CTAs, chosen before, were 0.6-1.4
     us slower than 4 for the block-scaled formats at H=32768. 49 to 64 rows (measured at 64): 2
     CTAs at H = 32768 and for the block-scaled formats at H = 16384, else none. At H = 8192 the
-    2-CTA cluster chosen before was 0.0-0.4 us slower than one CTA at every M and format. Rounded
+    2-CTA cluster chosen before was 0.0-0.4 us slower than one CTA at every M and format (sizes
+    between 8192 and 16384 are not measured and get none). Rounded
     down to a size that splits the row's threads into whole warps. The size never changes a row's
     bits (NOTE [batch invariance] in kernels/norm_quant.py).
     """

@@ -37,11 +37,11 @@ def cluster_for(H: int, M: int, spec: Optional[QuantSpec] = None) -> int:
     us slower than 4 for the block-scaled formats at H=32768. 49 to 64 rows (measured at 64): 2
     CTAs at H = 32768 and for the block-scaled formats at H = 16384, else none. At H = 8192 the
     2-CTA cluster chosen before was 0.0-0.4 us slower than one CTA at every M and format (sizes
-    between 8192 and 16384 are not measured and get none). Rounded
-    down to a size that splits the row's threads into whole warps. The size never changes a row's
-    bits (NOTE [batch invariance] in kernels/norm_quant.py).
+    between 8192 and 16384 are not measured and get none). Rounded down to a size that splits the
+    row's threads into whole warps. The size never changes a row's bits (NOTE [batch invariance]
+    in kernels/norm_quant.py).
     """
-    return _cluster_size(H, _rows_bucket(M), spec is not None and spec.block_scaled)
+    return _cluster_size(H, _rows_bucket(M), spec)
 
 
 def _rows_bucket(M: int) -> int:
@@ -50,7 +50,8 @@ def _rows_bucket(M: int) -> int:
 
 
 @functools.cache
-def _cluster_size(H: int, rows_bucket: int, block_scaled: bool) -> int:
+def _cluster_size(H: int, rows_bucket: int, spec: Optional[QuantSpec]) -> int:
+    block_scaled = spec is not None and spec.block_scaled
     if rows_bucket == 2 or H < 16384:
         want = 1
     elif rows_bucket == 0:
@@ -68,8 +69,7 @@ def _fused_kernel(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_res
     from .kernels.compile import compiled_fused_norm
 
     return compiled_fused_norm(DTYPE_NAMES[dtype], H, kernel_spec(spec), has_residual, gemma,
-                               write_y, _cluster_size(H, rows_bucket,
-                                                      spec is not None and spec.block_scaled))
+                               write_y, _cluster_size(H, rows_bucket, spec))
 
 
 def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,

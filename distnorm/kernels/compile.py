@@ -6,7 +6,8 @@ use the TVM-FFI calling convention and take the current torch stream implicitly.
 Tensor conventions at the kernel boundary (the op layer makes these views):
 - activations x, residual, residual_out, y: [M, H] bf16/fp16, last dim contiguous, rows 16-byte aligned;
 - weight [H];
-- q: int32 words, [M, H/4] for fp8 formats, [M, H/8] for fp4 (packed two per byte);
+- q: float8_e4m3fn [M, H] for fp8 formats, uint8 [M, H/2] for fp4 (packed two per byte), as
+  the op returns it (the kernels store int32 words through a recast row);
 - scales: float32 [M, 1] (per-token), float32 [M, H/g] row- or column-major (per-group),
   uint8 [M, K] (linear nvfp4/mx) or flat uint8 [Mp*Kp] (swizzled);
 - scale / global_scale: float32 [1].
@@ -51,13 +52,16 @@ def fake_scales(quant: QuantSpec, hidden: int, m):
 
 
 def fake_q(quant: QuantSpec, hidden: int, m):
+    """q in the dtype the op returns (the kernel stores it as int32 words: NormQuantCore._quantize),
+    so the host passes the caller's tensor without a view: float8_e4m3fn [M, H] with 8-byte
+    aligned rows, or packed fp4 as uint8 [M, H/2] with 4-byte aligned rows."""
     if quant.info.scales == "none":
         return None
-    fp4 = quant.packed_fp4
-    words = hidden // 8 if fp4 else hidden // 4
-    return compat.make_fake_tensor(cutlass.Int32, (m, words),
-                                   (compat.sym_int(64, divisibility=1 if fp4 else 2), 1),
-                                   assumed_align=4 if fp4 else 8)
+    if quant.packed_fp4:
+        return compat.make_fake_tensor(cutlass.Uint8, (m, hidden // 2),
+                                       (compat.sym_int(64, divisibility=4), 1), assumed_align=4)
+    return compat.make_fake_tensor(cutlass.Float8E4M3FN, (m, hidden),
+                                   (compat.sym_int(64, divisibility=8), 1), assumed_align=8)
 
 
 def fake_norm_quant_args(cdtype, hidden: int, quant: QuantSpec, has_residual: bool, write_y: bool, m):

@@ -237,7 +237,7 @@ class NormQuantCore:
         rW: this thread's weight vectors (load_weight), when the caller loaded them early; else
         they are loaded here.
 
-        Writes T(y) to mY (when write_y), q to mQ (int32 words) and scales to mS. Threads of padded
+        Writes T(y) to mY (when write_y), q to mQ (as int32 words) and scales to mS. Threads of padded
         rows (row_valid False, scale_valid True: swizzled-scale padding) compute on zeros and store
         only scales; threads past both store nothing.
         All threads of the CTA must call this (it synchronizes).
@@ -278,10 +278,10 @@ class NormQuantCore:
         t = self.t
         q = self.q
         nv = t.vecs_per_thread
-        if const_expr(q.packed_fp4):
-            tQ = mQ[row, None]
-        else:
-            tQ = cute.zipped_divide(mQ[row, None], (2,))
+        # the row as int32 words (4 fp8 codes or 8 fp4 codes each; the host passes q unviewed)
+        tQ = cute.recast_tensor(mQ[row, None], Int32)
+        if const_expr(not q.packed_fp4):
+            tQ = cute.zipped_divide(tQ, (2,))
         if const_expr(q.info.scales == "static"):
             for j in cutlass.range_constexpr(nv):
                 v = lane + j * t.row_threads

@@ -217,23 +217,6 @@ def copy_outputs(ref, spec: Optional[QuantSpec], residual_out, y_out, q_out, sca
         scales_out.copy_(ref.scales)
 
 
-def kernel_views(spec: Optional[QuantSpec], q: Optional[Tensor], scales: Optional[Tensor]):
-    """(q, scales) as the kernels take them (kernels/compile.py): q as is, block scales as uint8
-    (flat for the swizzled layout)."""
-    if spec is None:
-        return None, None
-    qv = q  # fp8 [M, H] or packed fp4 [M, H/2] as returned (a view costs ~1 us of host time)
-    sv = None
-    if scales is not None:
-        if spec.block_scaled:
-            sv = scales.view(torch.uint8)
-            if spec.swizzled:
-                sv = sv.view(-1)
-        else:
-            sv = scales
-    return qv, sv
-
-
 def inputs_look_valid(x, residual, weight, spec, eps) -> bool:
     """Cheap checks of the common case; when False, check_inputs says exactly what is wrong.
     Written for host time (every eager call runs it): each tensor attribute read once."""

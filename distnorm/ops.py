@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows_aligned,
-                   copy_outputs, kernel_views, returned_scales)
+                   copy_outputs, returned_scales)
 from .kernels.tiling import cluster_sizes
 from .formats import NormQuantOutput, QuantSpec, kernel_spec, make_quant_spec, spec_code
 from .rows import call_on_rows
@@ -79,8 +79,8 @@ def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, g
         return
     kernel = _fused_kernel(x.dtype, H, spec, residual is not None, gemma, y_out is not None,
                            _rows_bucket(M))
-    qv, sv = kernel_views(spec, q_out, scales_out)
-    kernel(x, residual, residual_out, weight, y_out, qv, sv, scale, global_scale, float(eps))
+    kernel(x, residual, residual_out, weight, y_out, q_out, scales_out, scale, global_scale,
+           float(eps))
 
 
 def _run_reference(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,

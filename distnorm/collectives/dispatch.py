@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from distnorm.args import DTYPE_NAMES, check_rows_aligned, kernel_views
+from distnorm.args import DTYPE_NAMES, check_rows_aligned
 from distnorm.collectives.faults import after_launch, raise_if_failed
 from distnorm.collectives.plan import plan_launch
 from distnorm.collectives.state import state_of
@@ -28,14 +28,14 @@ def _rows(t: Optional[Tensor], a: int, b: int) -> Optional[Tensor]:
     return None if t is None else t[a:b]
 
 
-def _scale_rows(spec: Optional[QuantSpec], sv: Optional[Tensor], a: int, b: int, H: int):
-    """Kernel view of the scale rows [a, b) (swizzled: chunks start at multiples of 128)."""
-    if sv is None or spec is None:
-        return sv
+def _scale_rows(spec: Optional[QuantSpec], scales: Optional[Tensor], a: int, b: int):
+    """The scale rows of rows [a, b) (swizzled [Mp, Kp]: chunks start at multiples of 128 and
+    take their padding rows along)."""
+    if scales is None or spec is None:
+        return scales
     if spec.block_scaled and spec.swizzled:
-        kp = (H // spec.group_size + 3) // 4 * 4
-        return sv[a * kp: ((b + 127) // 128 * 128) * kp]
-    return sv[a:b]  # column-major per-group scales keep their column stride
+        return scales[a:(b + 127) // 128 * 128]
+    return scales[a:b]  # column-major per-group scales keep their column stride
 
 
 def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
@@ -57,7 +57,6 @@ def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, resid
     kernel = compiled_allreduce(algo, ws.world_size, DTYPE_NAMES[x.dtype], H, kspec,
                                 residual is not None, gemma, y_out is not None, ar_out is not None,
                                 tuning.pdl, rows_per_cta)
-    qv, sv = kernel_views(spec, q_out, scales_out)
     state.check_signal_pad(ws)
     raise_if_failed(ws)  # pinned words: cheap; a failed workspace launches nothing until reset
     ptrs = state.lamport_table(ws) if algo == "lamport" else ws.buffer_ptrs
@@ -66,7 +65,7 @@ def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, resid
     for a in range(0, M, step):
         b = min(M, a + step)
         kernel(x[a:b], _rows(residual, a, b), _rows(residual_out, a, b), weight, _rows(y_out, a, b),
-               _rows(qv, a, b), _scale_rows(spec, sv, a, b, H), scale, global_scale,
+               _rows(q_out, a, b), _scale_rows(spec, scales_out, a, b), scale, global_scale,
                _rows(ar_out, a, b), ptrs, ws.signal_ptrs, err, ws.rank, ctas, float(eps),
                tuning.timeout_ns)
     after_launch(ws, x.device)

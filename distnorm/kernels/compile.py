@@ -9,7 +9,7 @@ Tensor conventions at the kernel boundary (the op layer makes these views):
 - q: float8_e4m3fn [M, H] for fp8 formats, uint8 [M, H/2] for fp4 (packed two per byte), as
   the op returns it (the kernels store int32 words through a recast row);
 - scales: float32 [M, 1] (per-token), float32 [M, H/g] row- or column-major (per-group),
-  uint8 [M, K] (linear nvfp4/mx) or flat uint8 [Mp*Kp] (swizzled);
+  float8_e4m3fn (nvfp4) / uint8 (mx) [M, K] (linear) or [Mp, Kp] (swizzled), as the op returns them;
 - scale / global_scale: float32 [1].
 """
 from __future__ import annotations
@@ -44,10 +44,14 @@ def fake_scales(quant: QuantSpec, hidden: int, m):
         stride = (1, compat.sym_int(64)) if quant.col_major else (groups, 1)
         return compat.make_fake_tensor(Float32, (m, groups), stride, assumed_align=4)
     if scales == "block":
-        if quant.swizzled:
-            return compat.make_fake_tensor(cutlass.Uint8, (compat.sym_int(32),), (1,), assumed_align=4)
+        # the op's own dtype (nvfp4: float8_e4m3fn, mx: uint8 e8m0 codes) and 2-D shape, so the
+        # host passes the tensor without views; the kernels store bytes (NormQuantCore._store_scale)
+        dtype = cutlass.Float8E4M3FN if quant.kind == "nvfp4" else cutlass.Uint8
         k = hidden // quant.group_size
-        return compat.make_fake_tensor(cutlass.Uint8, (m, k), (k, 1), assumed_align=1)
+        if quant.swizzled:  # [round_up(M, 128), round_up(K, 4)]: its own row count
+            kp = (k + 3) // 4 * 4
+            return compat.make_fake_tensor(dtype, (compat.sym_int(32), kp), (kp, 1), assumed_align=4)
+        return compat.make_fake_tensor(dtype, (m, k), (k, 1), assumed_align=1)
     return None
 
 

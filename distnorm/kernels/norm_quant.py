@@ -213,12 +213,17 @@ class NormQuantCore:
 
     @cute.jit
     def _store_scale(self, mS, row: Int32, blk: Int32, value: Float32):
+        """Scale of (row, block): float32 for per-token / per-group; else one byte (the e4m3 or
+        e8m0 code carried in `value`) through a uint8 recast of mS (nvfp4's is float8_e4m3fn),
+        addressed by the 128x4 layout when swizzled."""
         if const_expr(self.q.float_scales):
             mS[row, blk] = value
         elif const_expr(self.q.swizzled):
-            mS[swizzled_offset(row, blk, self.t.hidden // self.q.group_size)] = cutlass.Uint8(Int32(value))
+            flat = cute.make_tensor(cute.recast_ptr(mS.iterator, dtype=cutlass.Uint8),
+                                    cute.make_layout(mS.shape[0] * mS.shape[1]))
+            flat[swizzled_offset(row, blk, self.t.hidden // self.q.group_size)] = cutlass.Uint8(Int32(value))
         else:
-            mS[row, blk] = cutlass.Uint8(Int32(value))
+            cute.recast_tensor(mS, cutlass.Uint8)[row, blk] = cutlass.Uint8(Int32(value))
 
     # ---- the epilogue --------------------------------------------------------------------------
     @cute.jit

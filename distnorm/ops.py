@@ -65,11 +65,14 @@ def _cluster_size(H: int, rows_bucket: int, spec: Optional[QuantSpec]) -> int:
 def _fused_kernel(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_residual: bool,
                   gemma: bool, write_y: bool, rows_bucket: int):
     """The compiled kernel for one call's compile-time key; cached here as well as in
-    compiled_fused_norm so that an eager call pays one dictionary lookup (host time)."""
+    compiled_fused_norm so that an eager call pays one dictionary lookup (host time).
+    Programmatic dependent launch (DISTNORM_PDL, read when the key is first compiled) is on by default:
+    with a PDL-aware predecessor the launch overlaps its tail (at M = 1 most of the kernel's time)."""
+    from .collectives.plan import pdl_from_env
     from .kernels.compile import compiled_fused_norm
 
     return compiled_fused_norm(DTYPE_NAMES[dtype], H, kernel_spec(spec), has_residual, gemma,
-                               write_y, _cluster_size(H, rows_bucket, spec))
+                               write_y, _cluster_size(H, rows_bucket, spec), pdl_from_env())
 
 
 def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,

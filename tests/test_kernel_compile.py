@@ -18,9 +18,11 @@ variants = [NO_QUANT, Q("fp8"), Q("fp8_per_token"),
             Q("nvfp4"), Q("nvfp4", sf_layout="linear"),
             Q("mxfp8"), Q("mxfp4", sf_layout="linear")]
 for q in variants:
-    for dtype, H, res, gemma, cn in (("bfloat16", 4096, True, False, 1), ("float16", 1536, False, True, 1),
-                                     ("bfloat16", 32768, True, False, 2), ("bfloat16", 32768, True, False, 8)):
-        compiled_fused_norm(dtype, H, q, res, gemma, q.kind == "none", cn)
+    for dtype, H, res, gemma, cn, pdl in (("bfloat16", 4096, True, False, 1, True),
+                                          ("float16", 1536, False, True, 1, False),
+                                          ("bfloat16", 32768, True, False, 2, True),
+                                          ("bfloat16", 32768, True, False, 8, False)):
+        compiled_fused_norm(dtype, H, q, res, gemma, q.kind == "none", cn, pdl)
         done.append((q.kind, H, cn))
 """
 

@@ -177,6 +177,40 @@ def test_cuda_graph_and_compile():
     assert (o2.q.view(torch.uint8) == ref.q.view(torch.uint8)).float().mean() > 0.999
 
 
+@pytest.mark.parametrize("M", [1, 300])
+def test_dependent_chain_in_graph(M):
+    """Each call reads the previous call's outputs (x = y, residual = residual_out), 40 calls in
+    one CUDA graph: with programmatic dependent launch (the default) a call may be launched while
+    its predecessor still runs, and must still read only finished outputs. Every step's outputs,
+    poisoned before each replay, are checked against the reference on that step's own inputs."""
+    steps, H = 40, 4096
+    x, res, w = make_inputs(M, H, torch.bfloat16, 11 + M)
+    ys = [poison_like(torch.empty_like(x)) for _ in range(steps)]
+    hs = [poison_like(torch.empty_like(res)) for _ in range(steps)]
+
+    def chain():
+        a, r = x, res
+        for i in range(steps):
+            distnorm.add_rmsnorm(a, r, w, 1e-6, y_out=ys[i], residual_out=hs[i])
+            a, r = ys[i], hs[i]
+
+    chain()  # compile outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain()
+    for _ in range(2):
+        for t in ys + hs:
+            poison_like(t)
+        g.replay()
+    torch.cuda.synchronize()
+    a, r = x, res
+    for i in range(steps):
+        ref = add_rmsnorm_ref(a, r, w, 1e-6)
+        assert torch.equal(hs[i].view(torch.int16), ref.residual.view(torch.int16)), f"step {i}: residual"
+        assert_y_close(ys[i], ref.y)
+        a, r = ys[i], hs[i]
+
+
 def test_bad_inputs_on_gpu():
     x, res, w = make_inputs(4, 4096, torch.bfloat16, 1)
     with pytest.raises(ValueError, match="residual"):

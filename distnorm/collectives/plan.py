@@ -127,9 +127,15 @@ class Tuning:
     def from_env(cls) -> "Tuning":
         """The defaults, overridden by DISTNORM_PDL=0 (no programmatic dependent launch),
         DISTNORM_BARRIER_TIMEOUT_S and DISTNORM_HOST_TIMEOUT_S (seconds)."""
-        return cls(pdl=os.environ.get("DISTNORM_PDL", "1") != "0",
+        return cls(pdl=pdl_from_env(),
                    timeout_s=_seconds("DISTNORM_BARRIER_TIMEOUT_S", cls.timeout_s),
                    host_timeout_s=_seconds("DISTNORM_HOST_TIMEOUT_S", cls.host_timeout_s))
+
+
+def pdl_from_env() -> bool:
+    """Programmatic dependent launch for every kernel (all-reduce and single-GPU) unless
+    DISTNORM_PDL=0."""
+    return os.environ.get("DISTNORM_PDL", "1") != "0"
 
 
 def _seconds(name: str, default: float) -> float:

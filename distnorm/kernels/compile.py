@@ -86,14 +86,15 @@ def fake_norm_quant_args(cdtype, hidden: int, quant: QuantSpec, has_residual: bo
 
 @functools.cache
 def compiled_fused_norm(dtype: str, hidden: int, quant: QuantSpec, has_residual: bool, gemma: bool,
-                        write_y: bool, cluster_n: int = 1) -> Callable:
-    """The compiled single-GPU kernel; call as f(x, res, res_out, w, y, q, scales, scale, gs, eps)."""
+                        write_y: bool, cluster_n: int = 1, pdl: bool = False) -> Callable:
+    """The compiled single-GPU kernel; call as f(x, res, res_out, w, y, q, scales, scale, gs, eps).
+    pdl: launched as a programmatic dependent launch (kernels/fused_norm.py)."""
     cdtype = CUTE_DTYPES[dtype]
     # ~128-thread CTAs (one row up to H = 4096 is 128 threads): more, smaller CTAs than 256 spread
     # a few hundred to a few thousand rows more evenly over the SMs (H200: NVFP4 at 128 x 4096
     # 4.70 -> 4.08 us, 4096 x 1536 15.3 -> 14.1 us; 16384 rows within 1%). Not a bit changes.
     tiling = choose_tiling(hidden, cluster_n, quant.group_size, cta_threads=128)
-    kernel = FusedAddRMSNormQuant(tiling, quant, has_residual, gemma, write_y)
+    kernel = FusedAddRMSNormQuant(tiling, quant, has_residual, gemma, write_y, pdl)
     args = fake_norm_quant_args(cdtype, hidden, quant, has_residual, write_y, compat.sym_int(32))
     stream = compat.make_fake_stream(use_tvm_ffi_env_stream=True)
     return compat.compile_tvm_ffi(kernel, *args, Float32(1e-6), stream)

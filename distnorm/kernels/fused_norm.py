@@ -2,7 +2,10 @@
 
 One CTA (or a cluster of `cluster_n` CTAs sharing the row's threads) handles `rows_per_cta` rows;
 the epilogue is `NormQuantCore.epilogue`, the same code the all-reduce kernels end with, and the
-cluster size never changes a row's bits (NOTE [batch invariance] in norm_quant.py).
+cluster size never changes a row's bits (NOTE [batch invariance] in norm_quant.py). With `pdl` the
+kernel is a programmatic-dependent-launch consumer and producer exactly as the all-reduce kernels
+are (NOTE [programmatic dependent launch] in allreduce.py): no memory access precedes
+griddepcontrol.wait, so stream order holds; what overlaps the previous kernel is the launch.
 """
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ class FusedAddRMSNormQuant:
     """Compile-time settings live on the object; rows (M) and strides are run-time."""
 
     def __init__(self, tiling: RowTiling, quant: QuantSpec, has_residual: bool, gemma: bool,
-                 write_y: bool):
+                 write_y: bool, pdl: bool = False):
         self.t = tiling
+        self.pdl = pdl
         self.q = quant
         self.has_residual = has_residual
         self.core = NormQuantCore(tiling, quant, gemma, write_y)
@@ -39,12 +43,16 @@ class FusedAddRMSNormQuant:
             block=[t.threads, 1, 1],
             cluster=[t.cluster_n, 1, 1] if const_expr(t.cluster_n > 1) else None,
             stream=stream,
+            use_pdl=self.pdl,
         )
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mR, mRout, mW: cute.Tensor, mY, mQ, mS, mScale, mGS,
                eps: Float32, rows: Int32):
         t = self.t
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         cta_rank = Int32(0)

@@ -392,12 +392,6 @@ def round_up_pow2_bits(s: Tensor) -> Tensor:
 
 # ---- 128x4 swizzled scale layout ----
 
-def swizzled_offset(m, k, Kp: int):
-    """Flat offset of scale (m, k) in the swizzled [Mp, Kp] layout (ints or integer tensors)."""
-    return (((m // 128) * (Kp // 4) + k // 4) * 512 + (m % 32) * 16
-            + ((m % 128) // 32) * 4 + k % 4)
-
-
 def to_swizzled(linear: Tensor) -> Tensor:
     """[M, K] linear scales -> [Mp, Kp] swizzled (Mp = M up to 128, Kp = K up to 4), zero padding."""
     M, K = linear.shape

@@ -258,10 +258,10 @@ def test_swizzle_matches_tile_loop(M, K):
     assert torch.equal(from_swizzled(sw, M, K), lin)
     # the offset formula is a bijection onto [0, Mp*Kp) and agrees with the tensor layout
     m, k = torch.meshgrid(torch.arange(Mp), torch.arange(Kp), indexing="ij")
-    off = swizzled_offset(m, k, Kp).flatten()
+    off = swizzled_offset(m, k, K).flatten()  # k = K blocks per row, padded to Kp inside
     assert torch.equal(off.sort().values, torch.arange(Mp * Kp))
     if M:
-        assert swizzled_offset(M - 1, K - 1, Kp) == int(off[(M - 1) * Kp + K - 1])
+        assert swizzled_offset(M - 1, K - 1, K) == int(off[(M - 1) * Kp + K - 1])
     padded = torch.zeros(Mp, Kp, dtype=torch.uint8)
     padded[:M, :K] = lin
     assert torch.equal(sw.flatten()[off], padded.flatten())  # padding bytes are zero

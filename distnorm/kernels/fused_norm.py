@@ -18,6 +18,16 @@ from distnorm.kernels.norm_quant import NormQuantCore
 from distnorm.kernels.tiling import RowTiling
 
 
+# NOTE [padding CTAs]
+# The swizzled scale layout has whole 128-row tiles, so a call of M rows also writes zero scales for
+# rows M .. round_up(M, 128) - 1. Rows are covered by CTAs (clusters) of rows_per_cta rows as usual;
+# the padding rows beyond the last row block go to extra CTAs that write only scales, each covering
+# PAD_GROUPS_PER_CTA row groups: at M = 1 the padding is 127 rows, which one CTA (cluster) per row
+# group launched as 127 more CTAs (at H = 32768 127 clusters of 4), 0.5-0.8 us of a 4.5-5.6 us
+# call (benchmarks/results/pdl_ab_h200.md: nvfp4 vs nvfp4_linear).
+PAD_GROUPS_PER_CTA = 16
+
+
 class FusedAddRMSNormQuant:
     """Compile-time settings live on the object; rows (M) and strides are run-time."""
 
@@ -35,9 +45,12 @@ class FusedAddRMSNormQuant:
         t = self.t
         m = mX.shape[0]
         rows = m
+        blocks = (m + t.rows_per_cta - 1) // t.rows_per_cta
         if const_expr(self.q.swizzled):
             rows = (m + 127) // 128 * 128  # the 128x4 scale layout's padded rows are written too
-        blocks = (rows + t.rows_per_cta - 1) // t.rows_per_cta
+            # NOTE [padding CTAs]
+            per_pad_block = t.rows_per_cta * PAD_GROUPS_PER_CTA
+            blocks += (rows - blocks * t.rows_per_cta + per_pad_block - 1) // per_pad_block
         self.kernel(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, eps, rows).launch(
             grid=[blocks * t.cluster_n, 1, 1],
             block=[t.threads, 1, 1],
@@ -68,10 +81,16 @@ class FusedAddRMSNormQuant:
         if const_expr(t.cluster_n > 1):
             cute.arch.cluster_wait()
         if const_expr(self.q.swizzled):
-            # whole row groups of scale padding (every CTA of a cluster agrees): scales only
-            if (bidx // t.cluster_n) * t.rows_per_cta >= m:
-                if row < rows:
-                    self.core.store_padding_scales(mS, row, lane)
+            # NOTE [padding CTAs]: every CTA of a cluster agrees on the branch
+            row_blocks = (m + t.rows_per_cta - 1) // t.rows_per_cta
+            if bidx // t.cluster_n >= row_blocks:
+                first = (row_blocks + (bidx // t.cluster_n - row_blocks) * PAD_GROUPS_PER_CTA) \
+                    * t.rows_per_cta + row_in_cta
+                stop = first + PAD_GROUPS_PER_CTA * t.rows_per_cta
+                if stop > rows:
+                    stop = rows
+                for pad_row in range(first, stop, t.rows_per_cta):
+                    self.core.store_padding_scales(mS, pad_row, lane)
             else:
                 self._fuse_row(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, eps, rows, row, lane,
                                row_in_cta, bufs)

@@ -1,7 +1,8 @@
-"""The torch.distributed path of the all-reduce ops (distnorm/collectives/rowsplit.py) on the CPU:
-gloo ranks and a CPU workspace. For every format and layout, M from 1 to past a chunk, 2 and 3
-ranks, outputs are bitwise the reference over the gathered partial sums (poisoned first), and the
-row split gives every row to exactly one rank."""
+"""The torch.distributed path of the all-reduce ops (distnorm/collectives/rowsplit.py, and the
+node chain of nodechain.py) on the CPU: gloo ranks and a CPU workspace. For every format and layout,
+M from 1 to past a chunk, 2 and 3 ranks in one flat split, 4 and 6 ranks as 2 and 3 "nodes" of 2
+(ranks_per_node=2), outputs are bitwise the reference over the gathered partial sums (the rank-order
+fold; poisoned first), and the row split gives every row to exactly one rank."""
 from __future__ import annotations
 
 import pytest
@@ -21,7 +22,7 @@ def test_row_split_covers_every_row_once():
             assert rows == list(range(M)), (world, M, bounds)
 
 
-def _body() -> None:
+def _body(ranks_per_node=None) -> None:
     import torch.distributed as dist
 
     import distnorm
@@ -31,14 +32,23 @@ def _body() -> None:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     # 4 KiB of buffer = 8 rows of H=256 bf16 per chunk: M=130 takes 17 chunks
-    ws = distnorm.Workspace(dist.group.WORLD, device="cpu", buffer_bytes=4096)
+    ws = distnorm.Workspace(dist.group.WORLD, device="cpu", buffer_bytes=4096,
+                            ranks_per_node=ranks_per_node)
+    from distnorm.collectives.dispatch import row_split
+    assert type(row_split(ws)).__name__ == ("NodeChain" if ranks_per_node else "FlatSplit")
     w = (torch.rand(H, generator=torch.Generator().manual_seed(0)) + 0.5).to(torch.bfloat16)
     for name, quant, opts in formats.format_variants():
         kw = quant_kwargs(quant, opts)
         spec = formats.make_quant_spec(quant, **opts)
         for M in (1, 5, 130):
             g = torch.Generator().manual_seed(M * 7 + rank)
-            x = (torch.randn(M, H, generator=g) * 2).to(torch.bfloat16)
+            x = torch.randn(M, H, generator=g) * 2
+            # + B on the first rank, - B on the last (B ~ 2^18, the same on every rank): the
+            # running sum sits near B, where float32 rounds the small terms, and the result near
+            # them, so a sum in another order than the ranks' shows in the bf16 outputs (bf16
+            # values of like magnitude add exactly in any order and would hide it)
+            big = torch.randn(M, H, generator=torch.Generator().manual_seed(M)) * 2.0 ** 18
+            x = (x + big if rank == 0 else x - big if rank == world - 1 else x).to(torch.bfloat16)
             res = torch.randn(M, H, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
             xs = [torch.empty_like(x) for _ in range(world)]
             dist.all_gather(xs, x)
@@ -68,3 +78,20 @@ def _body() -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_format_bitwise_the_reference(world):
     spawn(_body, world, timeout_s=600, cpu_only=True)
+
+
+@pytest.mark.parametrize("world", [4, 6])
+def test_node_chain_bitwise_the_reference(world):
+    """Nodes of 2 ranks: the running fold passes node to node (2 nodes; 3 with a middle one)."""
+    spawn(_body, world, 2, timeout_s=600, cpu_only=True)
+
+
+def test_ranks_per_node_argument():
+    from distnorm.comm.workspace import _ranks_per_node
+    assert _ranks_per_node(None, 4) is None and _ranks_per_node(2, 4) == 2
+    with pytest.raises(TypeError, match="ranks_per_node"):
+        _ranks_per_node(2.0, 4)
+    with pytest.raises(TypeError, match="ranks_per_node"):
+        _ranks_per_node(True, 4)
+    with pytest.raises(ValueError, match="ranks_per_node must be >= 1 and divide the group size 4"):
+        _ranks_per_node(3, 4)

@@ -9,6 +9,7 @@
     dispatch.py  running one call: kernels over peer mappings, or the NCCL fallback
     ops.py       the user-facing ops and their torch.library registration
     rowsplit.py  collectives by row slices over torch.distributed (the path without peer memory)
+    nodechain.py the same path as a chain of nodes (Workspace(ranks_per_node=G), opt-in)
     seqpar.py    the sequence-parallel ops (reduce-scatter + norm-quant, all-gather)
 """
 from distnorm.collectives.ops import allreduce, allreduce_add_rmsnorm, check, reset

@@ -104,7 +104,19 @@ def run_fallback(x, residual, weight, eps, spec, scale, global_scale, gemma, res
 
     chunk = max(1, ws.buffer_bytes // (x.shape[1] * x.element_size()))
     allreduce_by_slices(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,
-                        y_out, q_out, scales_out, ar_out, ws.group, chunk)
+                        y_out, q_out, scales_out, ar_out, row_split(ws), chunk)
+
+
+def row_split(ws):
+    """How the path without peer memory splits rows: the node chain (collectives/nodechain.py)
+    when the workspace was given ranks_per_node G with 1 < G < group size, else the flat split."""
+    from distnorm.collectives.rowsplit import FlatSplit
+
+    G = ws.ranks_per_node
+    if G is not None and 1 < G < ws.world_size:
+        from distnorm.collectives.nodechain import NodeChain
+        return ws.op_state("node_chain", lambda: NodeChain(ws.group, G))
+    return ws.op_state("flat_split", lambda: FlatSplit(ws.group))
 
 
 def run(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out, q_out,

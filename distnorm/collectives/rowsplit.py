@@ -20,8 +20,8 @@ from torch import Tensor
 
 from distnorm.formats import NormQuantOutput, QuantSpec, from_swizzled, to_swizzled
 
-__all__ = ["slice_bounds", "reduce_rows", "slice_epilogue", "gather_rows", "linear_spec",
-           "scales_to_layout", "scales_to_linear", "allreduce_by_slices"]
+__all__ = ["slice_bounds", "exchange_slices", "reduce_rows", "slice_epilogue", "gather_rows", "linear_spec",
+           "scales_to_layout", "scales_to_linear", "allreduce_by_slices", "FlatSplit"]
 
 
 def slice_bounds(M: int, world: int, rank: int) -> tuple[int, int]:
@@ -36,11 +36,12 @@ def _world_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def reduce_rows(x: Tensor, group) -> Tensor:
-    """This rank's slice of the ordered float32 sum of every rank's x [M, H]: float32 [M_r, H]."""
+def exchange_slices(x: Tensor, group) -> Tensor:
+    """all_to_all of the row split of x [M, H] over group's N ranks: [N, S, H] (S = ceil(M / N)),
+    entry s = rank s's rows of this rank's slice, zero-padded to S rows."""
     import torch.distributed as dist
 
-    world, rank = _world_rank(group)
+    world, _ = _world_rank(group)
     M, H = x.shape
     S = -(-M // world)
     if M == world * S and x.is_contiguous():
@@ -50,7 +51,14 @@ def reduce_rows(x: Tensor, group) -> Tensor:
         send[:M] = x
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    parts = recv.view(world, S, H)
+    return recv.view(world, S, H)
+
+
+def reduce_rows(x: Tensor, group) -> Tensor:
+    """This rank's slice of the ordered float32 sum of every rank's x [M, H]: float32 [M_r, H]."""
+    world, rank = _world_rank(group)
+    M = x.shape[0]
+    parts = exchange_slices(x, group)
     acc = parts[0].float()
     for p in parts[1:]:
         acc = acc + p.float()
@@ -114,14 +122,33 @@ def scales_to_linear(scales: Tensor, spec: QuantSpec, M: int, H: int) -> Tensor:
     return scales.contiguous()
 
 
+class FlatSplit:
+    """The group's N-way row split (module docstring) as the steps allreduce_by_slices takes:
+    bounds(M) (this rank's slice), reduce(x) (its float32 sum), gather(t, M, like) (every slice in
+    row order). nodechain.NodeChain is the other form."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.world, self.rank = _world_rank(group)
+
+    def bounds(self, M: int) -> tuple[int, int]:
+        return slice_bounds(M, self.world, self.rank)
+
+    def reduce(self, x: Tensor) -> Optional[Tensor]:
+        return reduce_rows(x, self.group)
+
+    def gather(self, t: Optional[Tensor], M: int, like: Tensor) -> Tensor:
+        return gather_rows(t, M, self.group)
+
+
 def allreduce_by_slices(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
                         spec: Optional[QuantSpec], scale, global_scale, gemma: bool,
-                        residual_out, y_out, q_out, scales_out, ar_out, group,
+                        residual_out, y_out, q_out, scales_out, ar_out, split,
                         chunk_rows: int) -> None:
-    """allreduce_add_rmsnorm's semantics over torch.distributed: per chunk of rows, reduce_rows,
-    slice_epilogue, gather_rows of every output into the (allocated) outputs; scales are gathered
-    row-major linear and written in spec's layout at the end."""
-    world, rank = _world_rank(group)
+    """allreduce_add_rmsnorm's semantics over torch.distributed: per chunk of rows, the split's
+    reduce, slice_epilogue where it returned a sum, the split's gather of every output into the
+    (allocated) outputs; scales are gathered row-major linear and written in spec's layout at the
+    end. split: FlatSplit(group) or nodechain.NodeChain."""
     M, H = x.shape
     want_y, want_ar = y_out is not None, ar_out is not None
     plain = residual_out is None and y_out is None and q_out is None
@@ -131,21 +158,22 @@ def allreduce_by_slices(x: Tensor, residual: Optional[Tensor], weight: Tensor, e
         linear = torch.empty(M, H // spec.group_size, dtype=scales_out.dtype, device=x.device)
     for a in range(0, M, chunk_rows):
         b = min(M, a + chunk_rows)
-        acc = reduce_rows(x[a:b], group)
+        acc = split.reduce(x[a:b])
         if plain:
-            ar_out[a:b].copy_(gather_rows(acc.to(x.dtype), b - a, group))
+            ar_out[a:b].copy_(split.gather(None if acc is None else acc.to(x.dtype), b - a, ar_out))
             continue
-        s0, s1 = slice_bounds(b - a, world, rank)
-        res = None if residual is None else residual[a + s0:a + s1]
-        out = slice_epilogue(acc, x.dtype, res, weight, eps, spec, scale, global_scale, gemma,
-                             want_y, want_ar)
-        for dst, t in ((residual_out, out.residual), (y_out, out.y), (ar_out, out.allreduce),
-                       (q_out, out.q)):
+        out = None
+        if acc is not None:
+            s0, s1 = split.bounds(b - a)
+            res = None if residual is None else residual[a + s0:a + s1]
+            out = slice_epilogue(acc, x.dtype, res, weight, eps, spec, scale, global_scale, gemma,
+                                 want_y, want_ar)
+        for dst, field in ((residual_out, "residual"), (y_out, "y"), (ar_out, "allreduce"),
+                           (q_out, "q")):
             if dst is not None:
-                dst[a:b].copy_(gather_rows(t, b - a, group))
+                dst[a:b].copy_(split.gather(None if out is None else getattr(out, field), b - a, dst))
         if gathers_scales:
-            rows = gather_rows(out.scales, b - a, group)
-            (linear if linear is not None else scales_out)[a:b].copy_(rows)
+            dst = linear if linear is not None else scales_out
+            dst[a:b].copy_(split.gather(None if out is None else out.scales, b - a, dst))
     if linear is not None:
         scales_to_layout(linear, spec, scales_out)
-

@@ -124,6 +124,18 @@ def _gpu_id(index: int) -> str:
                                    ("pci_domain_id", "pci_bus_id", "pci_device_id")))
 
 
+def _ranks_per_node(ranks_per_node: Any, world: int) -> int | None:
+    """Workspace's ranks_per_node: None, or an int >= 1 dividing the group size."""
+    if ranks_per_node is None:
+        return None
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int):
+        raise TypeError(f"ranks_per_node must be an int or None, got {type(ranks_per_node).__name__}")
+    if ranks_per_node < 1 or world % ranks_per_node:
+        raise ValueError(f"ranks_per_node must be >= 1 and divide the group size {world}, "
+                         f"got {ranks_per_node}")
+    return ranks_per_node
+
+
 def _topology_problem(boot: Bootstrap, device_index: int) -> str | None:
     """Collective: why this group cannot use peer mappings (same answer on all ranks), or None."""
     import torch
@@ -158,11 +170,16 @@ class Workspace:
       whose ops run through torch.distributed (e.g. gloo) and the reference, for CPU tests of code
       that uses distnorm (slow; results as on the GPU up to the reference's rounding).
     timeout_s: how long to wait for peers while exchanging handles.
+    ranks_per_node: None, or G dividing the group size: ranks are numbered node by node, G per
+      node, and the path without peer memory runs as a chain of nodes instead of one flat row
+      split (collectives/nodechain.py, NOTE [node chain]: fewer bytes between nodes; opt-in, not
+      measured yet). Ignored where the peer kernels run. Given on one machine with
+      backend="none", it exercises that path (tests).
     """
 
     def __init__(self, group: Any = None, *, buffer_bytes: int = 64 << 20,
                  signal_bytes: int = 1 << 20, backend: str = "auto", device: Any = None,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, ranks_per_node: int | None = None) -> None:
         self._closed = True  # until fully built: __del__ of a failed __init__ stays quiet
         self._impl: Any = None
         self._op_state: dict[str, Any] = {}
@@ -179,6 +196,7 @@ class Workspace:
 
         if _is_cpu(device):
             self._open_cpu(group)
+            self.ranks_per_node = _ranks_per_node(ranks_per_node, self.world_size)
             return
         if not torch.cuda.is_available():
             raise RuntimeError("distnorm.comm.Workspace needs a CUDA device, but torch sees none "
@@ -189,6 +207,7 @@ class Workspace:
         self._boot = boot
         self.group = boot.group
         self.rank, self.world_size = boot.rank, boot.world_size
+        self.ranks_per_node = _ranks_per_node(ranks_per_node, self.world_size)
         self.device_index = _resolve_device(device)
         self.device = torch.device("cuda", self.device_index)
         self.backend = "none"

@@ -1,7 +1,9 @@
 """The torch.distributed (NCCL) path on GPUs, forced with Workspace(backend="none") as on a group
 that spans nodes: every output bitwise the peer kernels' (every format, several M, every
-algorithm on the peer side); and the sequence-parallel ops, by NCCL and by the reducescatter
-kernel: shards and gathers bitwise allreduce_add_rmsnorm's, shard scales equal between the two."""
+algorithm on the peer side); at 4+ ranks (even) also the node chain (ranks_per_node=2); and the
+sequence-parallel ops, by NCCL and by the reducescatter kernel: shards and gathers bitwise
+allreduce_add_rmsnorm's, shard scales equal between the two. Inputs carry +B on the first rank and
+-B on the last (tests/test_rowsplit_cpu.py says why): a sum in another order than the ranks' shows."""
 from __future__ import annotations
 
 import os
@@ -33,6 +35,9 @@ def _body() -> None:
     peer = distnorm.Workspace(buffer_bytes=32 << 20)
     nccl = distnorm.Workspace(backend="none", buffer_bytes=4 << 20)  # 4 MiB: chunks at M=2000
     assert peer.p2p_ok and not nccl.p2p_ok and "none" in nccl.fallback_reason
+    world = peer.world_size
+    chain = (distnorm.Workspace(backend="none", buffer_bytes=4 << 20, ranks_per_node=2)
+             if world >= 4 and world % 2 == 0 else None)
 
     def check():
         expect = Expectations()  # every rank makes every call, whatever it finds
@@ -43,11 +48,23 @@ def _body() -> None:
             kw = quant_kwargs(quant, opts, "cuda")
             for M in (1, 130, 2000):
                 g = torch.Generator("cuda").manual_seed(M * 13 + peer.rank)
-                x = (torch.randn(M, H, device="cuda", generator=g) * 2).to(torch.bfloat16)
+                x = torch.randn(M, H, device="cuda", generator=g) * 2
+                big = torch.randn(M, H, device="cuda", generator=torch.Generator("cuda")
+                                  .manual_seed(M + 1)) * 2.0 ** 18
+                if peer.rank in (0, world - 1):
+                    x = x + big if peer.rank == 0 else x - big
+                x = x.to(torch.bfloat16)
                 res = torch.randn(M, H, device="cuda", generator=torch.Generator("cuda")
                                   .manual_seed(M)).to(torch.bfloat16)
                 got = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=nccl,
                                                      norm_out=True, allreduce_out=True, **kw)
+                if chain is not None:
+                    by_chain = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=chain,
+                                                              norm_out=True, allreduce_out=True, **kw)
+                    for field in ("residual", "y", "q", "scales", "allreduce"):
+                        a, b = _bytes(getattr(by_chain, field)), _bytes(getattr(got, field))
+                        expect((a is None) == (b is None) and (a is None or torch.equal(a, b)),
+                               f"{name} M={M}: node chain {field} differs from the flat split")
                 for algo in ("oneshot", "twoshot", "lamport"):
                     want = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=peer,
                                                           algo=algo, norm_out=True,
@@ -107,8 +124,9 @@ def _body() -> None:
         if dist.get_backend() == "nccl":  # gather=True gathers by torch.distributed: gloo (ranks
             gathered_check(boot, graphs)  # sharing a GPU) cannot be captured
     finally:
-        peer.close()
-        nccl.close()
+        for ws in (peer, nccl, chain):
+            if ws is not None:
+                ws.close()
 
 
 def test_nccl_path_bitwise_the_peer_kernels():

@@ -47,7 +47,7 @@ def _body(ranks_per_node=None) -> None:
             # running sum sits near B, where float32 rounds the small terms, and the result near
             # them, so a sum in another order than the ranks' shows in the bf16 outputs (bf16
             # values of like magnitude add exactly in any order and would hide it)
-            big = torch.randn(M, H, generator=torch.Generator().manual_seed(M)) * 2.0 ** 18
+            big = torch.randn(M, H, generator=torch.Generator().manual_seed(M + 1)) * 2.0 ** 18
             x = (x + big if rank == 0 else x - big if rank == world - 1 else x).to(torch.bfloat16)
             res = torch.randn(M, H, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
             xs = [torch.empty_like(x) for _ in range(world)]

@@ -71,9 +71,18 @@ def _boot():
 
 
 
-def _inputs(M, H, rank, seed, dtype=torch.bfloat16):
+def _inputs(M, H, rank, seed, dtype=torch.bfloat16, world=None):
+    """x (per rank), residual and weight (shared). With `world`, x also carries +B on rank 0 and
+    -B on the last rank (B ~ 2^18, shared): the running sum sits near B, where float32 rounds the
+    other ranks' terms, so a sum in any order but the ranks' shows in the bf16 residual (values of
+    like magnitude add exactly in float32 in any order, which hides the order)."""
     g = torch.Generator(device="cuda").manual_seed(seed * 7919 + 1000003 * (rank + 1))
-    x = (torch.randn(M, H, generator=g, device="cuda") * 2).to(dtype)
+    x = torch.randn(M, H, generator=g, device="cuda") * 2
+    if world is not None and world > 1 and rank in (0, world - 1):
+        g.manual_seed(seed * 7919 + 17)  # the same B on both ranks
+        big = torch.randn(M, H, generator=g, device="cuda") * 2.0 ** 18
+        x = x + big if rank == 0 else x - big
+    x = x.to(dtype)
     g.manual_seed(seed * 7919)  # shared by all ranks
     res = torch.randn(M, H, generator=g, device="cuda").to(dtype)
     w = (torch.rand(H, generator=g, device="cuda") + 0.5).to(dtype)
@@ -154,7 +163,7 @@ def _one_case(ws, boot, algo, qname, M, H, seed):
     from distnorm.reference import allreduce_add_rmsnorm_ref, allreduce_ref
 
     kw, spec = _kwargs(qname)
-    x, res, w = _inputs(M, H, ws.rank, seed)
+    x, res, w = _inputs(M, H, ws.rank, seed, world=ws.world_size)
     xs = _all_gather(x)
     ref = allreduce_add_rmsnorm_ref(xs, res, w, 1e-6, norm_out=True, allreduce_out=True, **kw)
     outs = _poisoned_outs(spec, M, H, x.dtype)

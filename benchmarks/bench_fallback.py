@@ -3,10 +3,14 @@
     peer        distnorm over peer mappings (algo "auto"): what a single node gets
     rowsplit    distnorm's torch.distributed path: all_to_all of row slices, epilogue of the own
                 slice, all_gather of the outputs (Workspace(backend="none") forces it)
+    nodechain   with --ranks-per-node G (1 < G < world): the same path as a chain of nodes of G
+                ranks (Workspace(ranks_per_node=G), distnorm/collectives/nodechain.py); on one
+                machine NVLink stands in for the link between nodes
     allgather   the previous fallback: all-gather every rank's x, ordered sum, single-GPU kernel
     nccl+fused  NCCL all-reduce, then distnorm.add_rmsnorm (the unfused pair a user would write)
 
     torchrun --nproc-per-node 2 benchmarks/bench_fallback.py --out benchmarks/results/fallback_h200_x2
+    torchrun --nproc-per-node 4 benchmarks/bench_fallback.py --ranks-per-node 2 --out ...
 
 fp8_per_token with a residual; every entry a CUDA graph of 20 calls (common.time_graph_us,
 prequeue), median, max over ranks. Writes <out>.md and <out>.json.
@@ -34,7 +38,7 @@ SHAPES = [(1, 4096), (128, 8192), (2048, 8192), (8192, 8192)]
 PATHS = ("peer", "rowsplit", "allgather", "nccl+fused")
 
 
-def _callables(x, res, w, peer, nccl):
+def _callables(x, res, w, peer, nccl, chain):
     kw = dict(quant="fp8_per_token")
 
     def allgather():
@@ -49,21 +53,31 @@ def _callables(x, res, w, peer, nccl):
         dist.all_reduce(buf)
         return distnorm.add_rmsnorm(buf, res, w, 1e-6, **kw)
 
-    return {
+    paths = {
         "peer": lambda: distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=peer, **kw),
         "rowsplit": lambda: distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=nccl, **kw),
         "allgather": allgather,
         "nccl+fused": nccl_fused,
     }
+    if chain is not None:
+        paths["nodechain"] = lambda: distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6,
+                                                                    workspace=chain, **kw)
+    return paths
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="also time the node chain with nodes of this many ranks")
     args = p.parse_args()
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
+    G = args.ranks_per_node
+    paths = PATHS + (("nodechain",) if G and 1 < G < world else ())
+    chain = (distnorm.Workspace(backend="none", buffer_bytes=64 << 20, ranks_per_node=G)
+             if "nodechain" in paths else None)
     with distnorm.Workspace(buffer_bytes=64 << 20) as peer, \
             distnorm.Workspace(backend="none", buffer_bytes=64 << 20) as nccl:
         for M, H in SHAPES:
@@ -72,7 +86,7 @@ def main() -> None:
             res = torch.randn(M, H, device="cuda").to(torch.bfloat16)
             w = torch.rand(H, device="cuda").to(torch.bfloat16) + 0.5
             row = {"M": M, "H": H}
-            for name, fn in _callables(x, res, w, peer, nccl).items():
+            for name, fn in _callables(x, res, w, peer, nccl, chain).items():
                 try:
                     t = torch.tensor([time_graph_us(fn, prequeue=True)], device="cuda")
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -93,15 +107,17 @@ def main() -> None:
         lines = [f"# Without peer memory: {world} x {meta['device']}", "",
                  f"Command: `{meta['command']}`; torch {meta['torch']}; {meta['date']}. "
                  "fp8_per_token with residual; us per call (CUDA graph, median, max over ranks).",
-                 "", "| M x H | " + " | ".join(PATHS) + " | rowsplit / nccl+fused |",
-                 "|---|" + "---:|" * (len(PATHS) + 1)]
+                 "", "| M x H | " + " | ".join(paths) + " | rowsplit / nccl+fused |",
+                 "|---|" + "---:|" * (len(paths) + 1)]
         for r in rows:
-            vals = " | ".join("fail" if r[k] is None else f"{r[k]:.1f}" for k in PATHS)
+            vals = " | ".join("fail" if r[k] is None else f"{r[k]:.1f}" for k in paths)
             ratio = (f"{r['rowsplit'] / r['nccl+fused']:.2f}"
                      if r["rowsplit"] and r["nccl+fused"] else "")
             lines.append(f"| {r['M']} x {r['H']} | {vals} | {ratio} |")
         with open(args.out + ".md", "w") as f:
             f.write("\n".join(lines) + "\n")
+    if chain is not None:
+        chain.close()
     dist.destroy_process_group()
 
 

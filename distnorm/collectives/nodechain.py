@@ -48,6 +48,11 @@ class NodeChain:
 
         ranks = dist.get_process_group_ranks(group) if group is not None else \
             list(range(dist.get_world_size()))
+        if len(ranks) != dist.get_world_size():
+            # dist.new_group must be entered by every process of the job; a subgroup's members
+            # alone would wait there for the others forever
+            raise ValueError(f"ranks_per_node needs a workspace whose group is the whole job "
+                             f"({dist.get_world_size()} ranks); this one has {len(ranks)}")
         me = dist.get_rank(group)
         G = ranks_per_node
         self.nodes, self.node, self.local = len(ranks) // G, me // G, me % G

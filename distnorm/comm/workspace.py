@@ -174,7 +174,8 @@ class Workspace:
       node, and the path without peer memory runs as a chain of nodes instead of one flat row
       split (collectives/nodechain.py, NOTE [node chain]: fewer bytes between nodes; opt-in, not
       measured yet). Ignored where the peer kernels run. Given on one machine with
-      backend="none", it exercises that path (tests).
+      backend="none", it exercises that path (tests). The group must be the whole job (the chain
+      creates its node and column groups with dist.new_group, which every process enters).
     """
 
     def __init__(self, group: Any = None, *, buffer_bytes: int = 64 << 20,

@@ -95,3 +95,22 @@ def test_ranks_per_node_argument():
         _ranks_per_node(True, 4)
     with pytest.raises(ValueError, match="ranks_per_node must be >= 1 and divide the group size 4"):
         _ranks_per_node(3, 4)
+
+
+def _subgroup_body() -> None:
+    import torch.distributed as dist
+
+    import distnorm
+
+    sub = dist.new_group([0, 1, 2, 3])  # every process enters new_group
+    if dist.get_rank() < 4:
+        ws = distnorm.Workspace(sub, device="cpu", ranks_per_node=2)
+        x = torch.randn(3, H).to(torch.bfloat16)
+        with pytest.raises(ValueError, match="ranks_per_node needs a workspace whose group is the whole job"):
+            distnorm.allreduce(x, workspace=ws)
+        ws.close()
+
+
+def test_node_chain_refuses_a_subgroup():
+    """A chain on 4 of 6 ranks would hang in dist.new_group; it raises instead."""
+    spawn(_subgroup_body, 6, timeout_s=300, cpu_only=True)

@@ -80,10 +80,11 @@ def test_every_format_bitwise_the_reference(world):
     spawn(_body, world, timeout_s=600, cpu_only=True)
 
 
-@pytest.mark.parametrize("world", [4, 6])
-def test_node_chain_bitwise_the_reference(world):
-    """Nodes of 2 ranks: the running fold passes node to node (2 nodes; 3 with a middle one)."""
-    spawn(_body, world, 2, timeout_s=600, cpu_only=True)
+@pytest.mark.parametrize("world, per_node", [(4, 2), (6, 2), (6, 3)])
+def test_node_chain_bitwise_the_reference(world, per_node):
+    """The running fold passes node to node: 2 nodes of 2, 3 nodes of 2 (a middle node), 2 nodes
+    of 3 (slices of 3, empty ones at M = 1)."""
+    spawn(_body, world, per_node, timeout_s=600, cpu_only=True)
 
 
 def test_ranks_per_node_argument():

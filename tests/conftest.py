@@ -67,6 +67,7 @@ def _shard_key(item: pytest.Item):
     return (item.path, item.originalname, tuple(callspec.params[name] for name in shard_by.args))
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: shard what is selected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     env = detect_launch_env()
     if not env.is_multiprocess or env.world_size == 1 or not sharding_enabled(os.environ):

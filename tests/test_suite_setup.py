@@ -141,6 +141,18 @@ def test_launched_ranks_split_the_grid_by_kernel():
     assert deselected and int(deselected.group(3)) == len(per_rank[1])
 
 
+def test_keyword_selection_comes_before_the_split():
+    """`mpirun -np 2 pytest -k ...` selecting one test: the split is of what -k selected, so
+    rank 1's share is empty and it passes (split first, -k left rank 1 with no tests: exit 5,
+    and mpirun failed the job)."""
+    test = ["tests/test_launch.py", "-k", "test_single_process_default"]
+    proc = _collect_as(1, 2, *test)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "rank 1 of 2 ran 0 of 1 per-process tests" in proc.stdout
+    proc = _collect_as(0, 2, *test)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
+
+
 def test_a_rank_with_an_empty_share_passes():
     test = "tests/test_launch.py::test_single_process_default"
     proc = _collect_as(1, 2, test)

@@ -30,7 +30,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from distnorm.collectives.rowsplit import exchange_slices, gather_rows, slice_bounds
+from distnorm.collectives.rowsplit import (exchange_slices, fold_slices, gather_rows, row_bytes,
+                                           slice_bounds)
 
 __all__ = ["NodeChain"]
 
@@ -87,15 +88,11 @@ class NodeChain:
         rows = stop - start
         if rows == 0:  # every node agrees: the same slice of the same M
             return x.new_zeros(0, H, dtype=torch.float32) if self.last else None
-        if self.node == 0:
-            acc = parts[0, :rows].float()
-            rest = parts[1:]
-        else:
+        acc = None
+        if self.node > 0:
             acc = torch.empty(rows, H, dtype=torch.float32, device=x.device)
             dist.recv(acc, src=self.column[self.node - 1])
-            rest = parts
-        for p in rest:
-            acc = acc + p[:rows].float()
+        acc = fold_slices(parts, rows, acc)
         if self.last:
             return acc
         dist.send(acc, dst=self.column[self.node + 1])
@@ -109,10 +106,7 @@ class NodeChain:
         start, stop = self.bounds(M)
         shape = (stop - start,) + tuple(like.shape[1:])
         if self.nodes > 1 and stop > start:
-            # as bytes: gloo has no float8; through 1-D, as a [rows, 1] tensor may have a 0 stride
-            nbytes = like.element_size() * shape[0] * like[:1].numel()
-            raw = (t.reshape(-1).contiguous().view(torch.uint8) if t is not None else
-                   torch.empty(nbytes, dtype=torch.uint8, device=like.device))
+            raw = row_bytes(t if t is not None else like.new_empty(shape))
             dist.broadcast(raw, src=self.column[-1], group=self.column_group)
             t = raw.view(like.dtype).reshape(shape)
         elif t is None:

@@ -13,6 +13,7 @@ Row split (also the sequence-parallel ops' shard): with S = ceil(M / N), rank r 
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from distnorm.formats import NormQuantOutput, QuantSpec, from_swizzled, to_swizzled
 
-__all__ = ["slice_bounds", "exchange_slices", "reduce_rows", "slice_epilogue", "gather_rows", "linear_spec",
+__all__ = ["slice_bounds", "exchange_slices", "fold_slices", "row_bytes", "reduce_rows", "slice_epilogue", "gather_rows", "linear_spec",
            "scales_to_layout", "scales_to_linear", "allreduce_by_slices", "FlatSplit"]
 
 
@@ -54,16 +55,21 @@ def exchange_slices(x: Tensor, group) -> Tensor:
     return recv.view(world, S, H)
 
 
+def fold_slices(parts: Tensor, rows: int, acc: Optional[Tensor] = None) -> Tensor:
+    """The running float32 sum acc + parts[0] + parts[1] + ... in that order over the first `rows`
+    rows of each part (acc None: it starts from parts[0]): float32 [rows, H]."""
+    if acc is None:
+        acc, parts = parts[0, :rows].float(), parts[1:]
+    for p in parts:
+        acc = acc + p[:rows].float()
+    return acc
+
+
 def reduce_rows(x: Tensor, group) -> Tensor:
     """This rank's slice of the ordered float32 sum of every rank's x [M, H]: float32 [M_r, H]."""
     world, rank = _world_rank(group)
-    M = x.shape[0]
-    parts = exchange_slices(x, group)
-    acc = parts[0].float()
-    for p in parts[1:]:
-        acc = acc + p.float()
-    start, stop = slice_bounds(M, world, rank)
-    return acc[:stop - start]
+    start, stop = slice_bounds(x.shape[0], world, rank)
+    return fold_slices(exchange_slices(x, group), stop - start)
 
 
 def linear_spec(spec: Optional[QuantSpec]) -> Optional[QuantSpec]:
@@ -88,6 +94,14 @@ def slice_epilogue(acc: Tensor, dtype: torch.dtype, residual: Optional[Tensor], 
                         allreduce=acc.to(dtype) if want_allreduce else None)
 
 
+def row_bytes(t: Tensor) -> Tensor:
+    """t [rows, ...] of any dtype as contiguous bytes uint8 [rows, bytes per row] (what the
+    collectives move: gloo has no float8). Through 1-D: a [rows, 1] tensor may carry a 0 stride
+    that byte views reject."""
+    per_row = math.prod(t.shape[1:]) * t.element_size()  # from the shape: t may have no rows
+    return t.reshape(-1).contiguous().view(torch.uint8).reshape(t.shape[0], per_row)
+
+
 def gather_rows(t: Tensor, M: int, group) -> Tensor:
     """Every rank's rows t [M_r, ...] of the row split, in row order: [M, ...] (any dtype)."""
     import torch.distributed as dist
@@ -95,11 +109,7 @@ def gather_rows(t: Tensor, M: int, group) -> Tensor:
     world, _ = _world_rank(group)
     S = -(-M // world)
     shape = tuple(t.shape[1:])
-    cols = 1
-    for n in shape:
-        cols *= n
-    # through 1-D: a [rows, 1] tensor may carry a 0 stride that byte views reject
-    raw = t.reshape(-1).contiguous().view(torch.uint8).reshape(t.shape[0], cols * t.element_size())
+    raw = row_bytes(t)
     send = torch.zeros(S, raw.shape[1], dtype=torch.uint8, device=t.device)
     send[:t.shape[0]] = raw
     out = torch.empty(world * S, raw.shape[1], dtype=torch.uint8, device=t.device)

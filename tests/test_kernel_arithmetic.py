@@ -2,8 +2,10 @@
 check the kernels themselves):
 - e2m1 rounding by bit arithmetic (NormQuantCore._e2m1_code), emulated in torch, against
   formats.e2m1_codes: every float32 within 4096 ulps of each rounding threshold and grid value,
-  the specials, and a million random patterns (run once over all 2^32 patterns when it was written:
-  no mismatch);
+  the specials, and a million random patterns (run once over every float32 in [0, 6], where the
+  clamp puts every input, when it was written: no mismatch);
+- the packed 16-bit residual add (NormQuantCore.add_packed: one correct rounding of x + r) against
+  the reference's float32 add then rounding;
 - the swizzled-scale offset (formats.swizzled_offset, the very function the kernels call) against
   formats.to_swizzled."""
 import pytest
@@ -15,12 +17,14 @@ THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def kernel_e2m1_codes(v: torch.Tensor) -> torch.Tensor:
-    """What _e2m1_code computes, step by step (int64 so shifts are plain)."""
-    a = torch.nan_to_num(v.abs(), nan=0.0).clamp(0.0, 6.0)  # e2m1_clamp: max.f32(NaN, 0) = 0
-    b = a.view(torch.int32).to(torch.int64)
-    code = ((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22) - 252
-    low = (a * 2.0 + 8388608.0).view(torch.int32).to(torch.int64) - 0x4B000000
-    code = torch.where(b < 0x3F800000, low, code)
+    """What _e2m1_code computes, step by step (int64 so shifts are plain; the float32 add is
+    torch's, round-to-nearest-even like the GPU's)."""
+    c = torch.nan_to_num(v.abs(), nan=0.0).clamp(0.0, 6.0)  # e2m1_clamp: max.f32(NaN, 0) = 0
+    b = c.view(torch.int32).to(torch.int64)
+    binade = b.clamp(min=0x3F800000) & 0x7F800000
+    magic = (binade + 0x0B000000).to(torch.int32).view(torch.float32)
+    rounded = (magic + c).view(torch.int32).to(torch.int64)
+    code = rounded - binade + ((binade >> 22) - (0x0B000000 + 254))
     return code | ((v.view(torch.int32).to(torch.int64) >> 28) & 0x8)
 
 
@@ -56,3 +60,39 @@ def test_swizzled_offset_is_to_swizzled(M, K):
     prow = torch.arange(Mp).view(Mp, 1).expand(Mp, Kp)
     pblk = torch.arange(Kp).view(1, Kp).expand(Mp, Kp)
     assert torch.equal(swizzled_offset(prow, pblk, K).flatten().sort().values, torch.arange(Mp * Kp))
+
+
+def _correctly_rounded(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 values -> dtype with one round-to-nearest-even. Through float32, which is exact for
+    the 16-bit sums here except far below a 16-bit ulp; where that float32 rounding landed exactly
+    on a 16-bit midpoint, the neighbour on the exact value's side is the answer."""
+    f32 = exact.to(torch.float32)
+    err = exact - f32.double()
+    near = f32.to(dtype)
+    other = (2 * f32.double() - near.double())  # the other neighbour when f32 is a midpoint
+    tie = (near.double() != f32.double()) & (other.to(dtype).double() == other) & (err != 0)
+    side = torch.where(err > 0, torch.maximum(near.double(), other), torch.minimum(near.double(), other))
+    return torch.where(tie, side.to(dtype), near)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_add_is_the_reference_add(dtype):
+    """T(float32(x) + float32(r)) (the reference) is the correctly rounded x + r for every r and
+    x of both signs in [1, 2) (the rounding depends on the exponent difference only, so this binade
+    stands for all normal x) and x among the subnormals and at the top of the range: what
+    add.rn.{bf16,f16}x2 computes. (Run once for every bf16 pair: no mismatch.)"""
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
+    one = torch.tensor(1.0, dtype=dtype).view(torch.int16).item()
+    mant = 128 if dtype == torch.bfloat16 else 1024
+    xs = torch.arange(one, one + mant, dtype=torch.int32)
+    xs = torch.cat([xs, torch.arange(1, 64, dtype=torch.int32),
+                    torch.tensor([torch.finfo(dtype).max], dtype=dtype).view(torch.int16).to(torch.int32)
+                    - torch.arange(0, 8, dtype=torch.int32)])
+    xs = xs[torch.randperm(xs.numel(), generator=torch.Generator().manual_seed(1))[:256]]
+    x = torch.cat([xs, xs | -32768]).to(torch.int16).view(dtype)
+    r = every[~torch.isnan(every)]
+    X, R = x[:, None].expand(-1, r.numel()), r[None, :].expand(x.numel(), -1)
+    ref = (X.float() + R.float()).to(dtype)
+    one_rounding = _correctly_rounded(X.double() + R.double(), dtype)
+    same = (ref.view(torch.int16) == one_rounding.view(torch.int16)) | (torch.isnan(ref) & torch.isnan(one_rounding))
+    assert bool(same.all()), f"{int((~same).sum())} pairs differ"

@@ -114,13 +114,11 @@ class FusedAddRMSNormQuant:
             if const_expr(self.has_residual):
                 self.core.load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
         if const_expr(self.has_residual):
-            # h = T(float(x) + float(res)), one rounding; the norm reads float(h)
-            rH.store((rX.load().to(Float32) + rR.load().to(Float32)).to(mX.element_type).to(Float32))
+            # h = T(float(x) + float(res)), one rounding (in place in rX); the norm reads float(h)
+            self.core.add_packed(rX, rR)
             if row_valid:
-                self.core.store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane,
-                                    mX.element_type)
-        else:
-            rH.store(rX.load().to(Float32))
+                self.core.store_row16(rX, mRout[row, None], lane)
+        self.core.widen(rH, rX)
 
         self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW, mY, mQ, mS,
                            static_inv, global_scale, bufs)

@@ -35,6 +35,11 @@ from distnorm.kernels.tiling import RowTiling
 
 RCP_E2M1_MAX = float(np.float32(1.0) / np.float32(E2M1_MAX))  # = rcp.rn(6.0), folded at trace time
 
+def _half_name(dtype) -> str:
+    """PTX name of a 16-bit activation dtype."""
+    return "bf16" if dtype is cutlass.BFloat16 else "f16"
+
+
 class NormQuantCore:
     """RMSNorm + quantization epilogue shared by every fused kernel.
 
@@ -106,6 +111,44 @@ class NormQuantCore:
         """Row thread `lane`'s vectors of the row tDst <- src (register fragment) as dtype."""
         self._copy_row(src, tDst, lane, True, dtype)
 
+    @cute.jit
+    def add_packed(self, rA, rB):
+        """rA <- T(rA + rB) for 16-bit fragments of this thread's vectors: the reference's
+        T(float(a) + float(b)) (ptx.add_x2), two elements per instruction instead of two
+        conversions, an add, a conversion back and a repack per element."""
+        wA = cute.recast_tensor(rA, Int32)
+        wB = cute.recast_tensor(rB, Int32)
+        half = _half_name(rA.element_type)
+        for i in cutlass.range_constexpr(self.t.vecs_per_thread * VEC // 2):
+            wA[i] = ptx.add_x2(wA[i], wB[i], half)
+
+    @cute.jit
+    def widen(self, dst, src):
+        """dst (float32 fragment) <- src (16-bit fragment of the same size). bf16 is the high half
+        of a float32, so each packed word gives its two values with one shift and one mask (the
+        generic conversion first moves the high half down with a byte permute: three instructions
+        per pair instead of two)."""
+        if const_expr(_half_name(src.element_type) == "bf16"):
+            words = cute.recast_tensor(src, Int32)
+            for i in cutlass.range_constexpr(cute.size(src) // 2):
+                dst[2 * i] = ptx.bits_f32(words[i] << 16)
+                dst[2 * i + 1] = ptx.bits_f32(words[i] & Int32(-65536))
+        else:
+            dst.store(src.load().to(Float32))
+
+    @cute.jit
+    def store_row16(self, src, mRow, lane: Int32):
+        """Row thread `lane`'s vectors of the 16-bit row mRow <- src (a fragment of the row's
+        dtype), moved as packed words: no per-element conversion or repacking."""
+        t = self.t
+        words = cute.recast_tensor(src, Int32)
+        tRow = cute.zipped_divide(cute.recast_tensor(mRow, Int32), (VEC // 2,))
+        for j in cutlass.range_constexpr(t.vecs_per_thread):
+            v = lane + j * t.row_threads
+            if const_expr(t.exact) or v < t.vecs:
+                tRow[(None, v)].store(
+                    cute.make_tensor(words.iterator + j * (VEC // 2), cute.make_layout(VEC // 2)).load())
+
     # ---- reductions ----------------------------------------------------------------------------
     @cute.jit
     def row_reduce(self, val: Float32, is_max: cutlass.Constexpr, bufs, row_in_cta: Int32,
@@ -137,8 +180,9 @@ class NormQuantCore:
 
     # ---- block scales --------------------------------------------------------------------------
     @cute.jit
-    def _block_scale(self, amax: Float32, global_scale: Float32):
-        """(stored scale value, multiplier applied to y) for one block or row."""
+    def _block_scale(self, amax: Float32, global_scale: Float32, rcp_global_scale: Float32):
+        """(stored scale value, multiplier applied to y) for one block or row.
+        rcp_global_scale: rcp_rn(global_scale), computed once per row by the caller (NVFP4)."""
         kind = self.q.kind
         stored = Float32(0.0)
         inv = Float32(0.0)
@@ -154,9 +198,10 @@ class NormQuantCore:
             sf = ptx.e4m3x2(Float32(0.0), global_scale * (amax * Float32(RCP_E2M1_MAX))) & 0xFF
             sf_f = ptx.e4m3_to_f32(sf)
             stored = Float32(sf)  # carried as a number, stored as a byte
-            inv = Float32(0.0)
-            if sf_f != Float32(0.0):
-                inv = ptx.rcp_rn(sf_f * ptx.rcp_rn(global_scale))
+            # a select, not a branch: 1/0 is inf and is discarded
+            inv = ptx.rcp_rn(sf_f * rcp_global_scale)
+            if sf_f == Float32(0.0):
+                inv = Float32(0.0)
         else:  # mxfp8 / mxfp4
             v = ptx.div_rn(amax, Float32(self.q.elem_max))
             b = ptx.f32_bits(v)
@@ -178,19 +223,23 @@ class NormQuantCore:
     def _e2m1_code(self, v: Float32) -> Int32:
         """The e2m1 code of v (formats.e2m1_codes: RNE, ties to even, saturate at 6, NaN -> 0).
 
-        Hopper has no e2m1 convert, and counting the 7 thresholds cost ~30 instructions per
-        element (nvfp4 was issue-bound at 45 instructions per element). Bit arithmetic instead:
-        from 1.0 up, rounding the float32 to one mantissa bit (add half an ulp of that bit, plus
-        the kept bit for ties to even) leaves 2*exponent + bit = code + 252 in bits 22 and up;
-        below 1.0 (e2m1's subnormal step 0.5) adding 2^23 to 2|v| rounds it to the code; clamping
-        |v| to [0, 6] first (NaN -> 0) makes the saturation and NaN cases free. Checked against
-        e2m1_codes for all 2^32 float32 patterns (tests/test_kernel_arithmetic.py checks the same
-        arithmetic on the interesting ranges).
+        Hopper has no e2m1 convert. With c = |v| clamped to [0, 6] (NaN -> 0, which makes the
+        saturation and NaN cases free), one float32 add does the rounding: e2m1's step is 0.5
+        below 2, 1 in [2, 4) and 2 in [4, 6], the ulp of M = 2^22, 2^23, 2^24, so M + c rounds c
+        to its step exactly once, ties to even, and its low bits count the steps k; the code is
+        k plus 0, 2, 4 for those three ranges (= 2 * exponent of max(c, 1)). Six integer/float
+        instructions per element where a rounding by integer carries and a separate path below
+        1.0 took nine. Checked against e2m1_codes for every float32 in [0, 6]
+        (tests/test_kernel_arithmetic.py checks the same arithmetic on the interesting ranges).
         """
-        b = ptx.f32_bits(ptx.e2m1_clamp(v))  # |v| in [0, 6], NaN -> 0
-        code = ((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22) - 252
+        c = ptx.e2m1_clamp(v)  # |v| in [0, 6], NaN -> 0
+        b = ptx.f32_bits(c)
         if b < 0x3F800000:
-            code = ptx.f32_bits(ptx.bits_f32(b) * Float32(2.0) + Float32(8388608.0)) - 0x4B000000
+            b = Int32(0x3F800000)
+        binade = b & 0x7F800000  # the exponent of max(c, 1)
+        rounded = ptx.f32_bits(ptx.bits_f32(binade + 0x0B000000) + c)  # + 2^(22 + exponent)
+        # steps + 2 * exponent = rounded - magic + (binade >> 22) - 254, grouped as two instructions
+        code = rounded - binade + ((binade >> 22) - (0x0B000000 + 254))
         return code | ((ptx.f32_bits(v) >> 28) & 0x8)
 
     @cute.jit
@@ -259,8 +308,9 @@ class NormQuantCore:
         ss = self.row_reduce(ss, False, bufs[0], row_in_cta, lane)
         r = ptx.rsqrt_rn(ptx.div_rn(ss, Float32(t.hidden)) + eps)
         # y = (h * r) * w, kept in registers (reusing rH)
+        w = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
         for j in cutlass.range_constexpr(nv):
-            w = self._slice(rW, j).load().to(Float32)
+            self.widen(w, self._slice(rW, j))
             for e in cutlass.range_constexpr(VEC):
                 wf = w[e]
                 if const_expr(self.gemma):
@@ -287,6 +337,9 @@ class NormQuantCore:
         tQ = cute.recast_tensor(mQ[row, None], Int32)
         if const_expr(not q.packed_fp4):
             tQ = cute.zipped_divide(tQ, (2,))
+        rcp_gs = Float32(0.0)
+        if const_expr(q.kind == "nvfp4"):
+            rcp_gs = ptx.rcp_rn(global_scale)  # once per row, not per block
         if const_expr(q.info.scales == "static"):
             for j in cutlass.range_constexpr(nv):
                 v = lane + j * t.row_threads
@@ -298,7 +351,7 @@ class NormQuantCore:
             for i in cutlass.range_constexpr(nv * VEC):
                 amax = ptx.fmax_nan(amax, ptx.fabs(rY[i]))
             amax = self.row_reduce(amax, True, bufs[1], row_in_cta, lane)
-            stored, inv = self._block_scale(amax, global_scale)
+            stored, inv = self._block_scale(amax, global_scale, rcp_gs)
             if lane == 0 and row_valid:
                 self._store_scale(mS, row, Int32(0), stored)
             for j in cutlass.range_constexpr(nv):
@@ -315,7 +368,7 @@ class NormQuantCore:
                     amax = ptx.fmax_nan(amax, ptx.fabs(rY[j * VEC + e]))
                 if const_expr(lanes > 1):
                     amax = cute.arch.warp_reduction(amax, ptx.fmax_nan, threads_in_group=lanes)
-                stored, inv = self._block_scale(amax, global_scale)
+                stored, inv = self._block_scale(amax, global_scale, rcp_gs)
                 if const_expr(t.exact) or v < t.vecs:
                     blk = v // lanes
                     if lane % lanes == 0 and scale_valid:

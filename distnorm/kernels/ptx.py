@@ -93,6 +93,17 @@ def e4m3x2(hi, lo, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def add_x2(a, b, half: str, *, loc=None, ip=None) -> Int32:
+    """Two packed 16-bit floats plus two, one correct rounding each (`half`: "bf16" or "f16").
+
+    Equal to rounding float(a) + float(b) to the 16-bit type (the reference's one rounding): the
+    float32 sum of two such values is exact unless their exponents are far apart, and then the
+    smaller is far below half an ulp of the larger, so the float32 rounding cannot land on a
+    16-bit midpoint (checked over every bf16 pair: docs/SEMANTICS.md)."""
+    return _i32_asm(f"add.rn.{half}x2 $0, $1, $2;", "=r,r,r", ir_i32(a, loc, ip), ir_i32(b, loc, ip))
+
+
+@dsl_user_op
 def e4m3_to_f32(byte, *, loc=None, ip=None) -> Float32:
     """The float32 value of the e4m3 byte in the low 8 bits of `byte` (exact)."""
     return _f32_asm("{ .reg .b16 b; .reg .b32 h2; .reg .f16 h; cvt.u16.u32 b, $1; "

@@ -643,7 +643,6 @@ def _body_workspaces_freed() -> None:
 
     import distnorm
     from distnorm.collectives import ops as collective_ops
-    from distnorm.collectives.state import state_of
     from distnorm.reference import allreduce_add_rmsnorm_ref, allreduce_ref
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -662,7 +661,7 @@ def _body_workspaces_freed() -> None:
         assert torch.equal(out.q.view(torch.uint8), ref.q.view(torch.uint8))
         assert torch.equal(distnorm.allreduce(xs[rank], workspace=ws), allreduce_ref(xs))
         handle = collective_ops._handle(ws)  # what a torch.compile'd call registers
-        assert collective_ops._workspace(handle) is ws and state_of(ws).handle == handle
+        assert collective_ops._workspace(handle) is ws and ws.handle == handle
         refs.append(weakref.ref(ws))
         ws.close()
         assert not ws._op_state, "close() keeps the op state"
@@ -670,7 +669,7 @@ def _body_workspaces_freed() -> None:
     gc.collect()
     alive = sum(r() is not None for r in refs)
     assert alive == 0, f"{alive} of 100 closed workspaces are still alive"
-    assert len(collective_ops._BY_HANDLE) == 0
+    assert len(Workspace._by_handle) == 0  # NOTE [workspace handle]: weak
     assert not fake.handles and live_view_count() == 0
     with pytest.raises(RuntimeError, match="no longer exists"):
         collective_ops._workspace(handle)

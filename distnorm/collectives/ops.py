@@ -11,7 +11,6 @@ mutated) under torch.compile; eager calls skip the dispatcher.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
@@ -30,20 +29,14 @@ from distnorm.rows import as_rows, call_on_rows
 
 __all__ = ["allreduce_add_rmsnorm", "allreduce", "reset", "check"]
 
-# The workspace cannot travel through an op schema: compiled graphs carry its handle (never reused,
-# AllReduceState.handle) and find it here. Weak: a workspace in a compiled graph is not kept alive.
-_BY_HANDLE: "weakref.WeakValueDictionary[int, Workspace]" = weakref.WeakValueDictionary()
-
-
-@torch.compiler.assume_constant_result  # run at trace time: the graph holds the int
 def _handle(ws: Workspace) -> int:
-    h = state_of(ws).handle
-    _BY_HANDLE[h] = ws
-    return h
+    """The number compiled graphs carry for `ws` (NOTE [workspace handle] in comm/workspace.py): an
+    attribute read, which torch.compile traces as a guarded constant."""
+    return ws.handle
 
 
 def _workspace(handle: int) -> Workspace:
-    ws = _BY_HANDLE.get(handle)
+    ws = Workspace.from_handle(handle)
     if ws is None:
         raise RuntimeError(f"distnorm: the workspace this graph was compiled with (handle {handle}) "
                            "no longer exists")

@@ -4,7 +4,6 @@ Nothing here refers back to the workspace, so a closed or forgotten workspace is
 """
 from __future__ import annotations
 
-import itertools
 from typing import Optional
 
 import torch
@@ -22,21 +21,17 @@ from distnorm.formats import QuantSpec
 
 __all__ = ["AllReduceState", "state_of", "zero_region"]
 
-_handles = itertools.count(1)  # never reused, unlike id(): a handle names one workspace for good
-
 
 class AllReduceState:
     """Per-workspace state of the all-reduce ops (see the module docstring).
 
     tuning: launch settings (plan.Tuning; from the environment unless given).
-    handle: the workspace's number in the custom ops' schema (ops.py; never reused).
     lamport_ptrs: int64 [3 * world] device table of every rank's lamport areas (entry k * world + s =
       rank s's area k), built when the areas are first filled with the sentinel.
     """
 
     def __init__(self, tuning: Optional[Tuning] = None) -> None:
         self.tuning = Tuning.from_env() if tuning is None else tuning
-        self.handle = next(_handles)
         self.lamport_ptrs: Optional[Tensor] = None
         self.fallback_logged = False
         # passes through the host barriers (faults.host_barrier): the first-call one may be

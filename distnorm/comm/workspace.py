@@ -22,11 +22,13 @@ constructor before every rank has zeroed its pad.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import socket
 import sys
 import warnings
+import weakref
 from typing import Any, Callable
 
 from distnorm.comm._views import tensor_from_ptr
@@ -178,10 +180,27 @@ class Workspace:
       creates its node and column groups with dist.new_group, which every process enters).
     """
 
+    # NOTE [workspace handle]
+    # Compiled graphs cannot hold a Workspace (op schemas take ints, not objects), so every workspace
+    # gets a number, never reused (unlike id()), and the custom ops find it again with from_handle.
+    # A plain int attribute because torch.compile must read it while tracing: a function that
+    # computed it (torch.compiler.assume_constant_result) needs constant arguments on torch 2.11,
+    # and a Workspace is not one ("UserDefinedObjectVariable(Workspace) is not a constant").
+    # Weak: a workspace in a compiled graph is not kept alive.
+    _handles = itertools.count(1)
+    _by_handle: "weakref.WeakValueDictionary[int, Workspace]" = weakref.WeakValueDictionary()
+
+    @classmethod
+    def from_handle(cls, handle: int) -> "Workspace | None":
+        """The live workspace numbered `handle` (NOTE [workspace handle]), or None."""
+        return cls._by_handle.get(handle)
+
     def __init__(self, group: Any = None, *, buffer_bytes: int = 64 << 20,
                  signal_bytes: int = 1 << 20, backend: str = "auto", device: Any = None,
                  timeout_s: float = 120.0, ranks_per_node: int | None = None) -> None:
         self._closed = True  # until fully built: __del__ of a failed __init__ stays quiet
+        self.handle: int = next(Workspace._handles)  # NOTE [workspace handle]
+        Workspace._by_handle[self.handle] = self
         self._impl: Any = None
         self._op_state: dict[str, Any] = {}
         self.buffer_bytes = _positive_int("buffer_bytes", buffer_bytes)

@@ -57,6 +57,7 @@ def call_on_rows(op: Callable[..., NormQuantOutput], x: Tensor, residual: Option
     out = op(rows, as_rows("residual", residual, lead), *args,
              residual_out=as_rows("residual_out", residual_out, lead),
              y_out=as_rows("y_out", y_out, lead), q_out=as_rows("q_out", q_out, lead), **kwargs)
-    return out._replace(residual=_back(out.residual, lead, residual_out),
-                        y=_back(out.y, lead, y_out), q=_back(out.q, lead, q_out),
-                        allreduce=_back(out.allreduce, lead, None))
+    # the constructor, not out._replace: torch 2.11's Dynamo cannot return what _replace builds
+    # under torch.compile(fullgraph=True) (an assertion in its side-effect codegen)
+    return NormQuantOutput(_back(out.residual, lead, residual_out), _back(out.y, lead, y_out),
+                           _back(out.q, lead, q_out), out.scales, _back(out.allreduce, lead, None))

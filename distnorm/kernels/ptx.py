@@ -99,7 +99,7 @@ def add_x2(a, b, half: str, *, loc=None, ip=None) -> Int32:
     Equal to rounding float(a) + float(b) to the 16-bit type (the reference's one rounding): the
     float32 sum of two such values is exact unless their exponents are far apart, and then the
     smaller is far below half an ulp of the larger, so the float32 rounding cannot land on a
-    16-bit midpoint (checked over every bf16 pair: docs/SEMANTICS.md)."""
+    16-bit midpoint (docs/SEMANTICS.md, "Sum, residual, norm")."""
     return _i32_asm(f"add.rn.{half}x2 $0, $1, $2;", "=r,r,r", ir_i32(a, loc, ip), ir_i32(b, loc, ip))
 
 

@@ -153,7 +153,7 @@ def check_rows_aligned(tensors, M: int) -> None:
     (what the kernels' 128-bit accesses need; checked on the CPU too, so both paths accept the
     same inputs)."""
     for name, t in tensors:
-        if t is not None and (t.data_ptr() | (t.stride(0) * t.element_size() if M > 1 else 0)) % 16:
+        if t is not None and (t.data_ptr() | (t.stride()[0] * t.element_size() if M > 1 else 0)) % 16:
             check_aligned(name, t)
 
 
@@ -165,7 +165,7 @@ def _check_given(name: str, t, x: Tensor, shape, dtype) -> None:
         return check_rows(name, t, x, shape, dtype)
     dev = t.get_device()
     if (dev != x.get_device() or (dev < 0 and t.device != x.device)
-            or (t.stride(-1) != 1 and shape[-1] > 1)):
+            or (t.stride()[-1] != 1 and shape[-1] > 1)):
         check_rows(name, t, x, shape, dtype)
 
 
@@ -219,7 +219,8 @@ def copy_outputs(ref, spec: Optional[QuantSpec], residual_out, y_out, q_out, sca
 
 def inputs_look_valid(x, residual, weight, spec, eps) -> bool:
     """Cheap checks of the common case; when False, check_inputs says exactly what is wrong.
-    Written for host time (every eager call runs it): each tensor attribute read once."""
+    Written for host time (every eager call runs it): each tensor attribute read once, strides
+    as stride()[d] (stride(d) costs twice as much in torch 2.13 on the CPU)."""
     if (type(eps) is not float and type(eps) is not int) or not 0 <= eps < math.inf:
         return False
     if type(x) is not Tensor or type(weight) is not Tensor:
@@ -231,11 +232,11 @@ def inputs_look_valid(x, residual, weight, spec, eps) -> bool:
     if H % hidden_multiple(spec) or not MIN_HIDDEN <= H <= MAX_HIDDEN:
         return False
     dev = x.get_device()
-    if (weight.shape != (H,) or weight.dtype != x.dtype or x.stride(1) != 1
-            or weight.stride(0) != 1 or weight.get_device() != dev):
+    if (weight.shape != (H,) or weight.dtype != x.dtype or x.stride()[1] != 1
+            or weight.stride()[0] != 1 or weight.get_device() != dev):
         return False
     if residual is not None and (type(residual) is not Tensor or residual.shape != shape
-                                 or residual.dtype != x.dtype or residual.stride(1) != 1
+                                 or residual.dtype != x.dtype or residual.stride()[1] != 1
                                  or residual.get_device() != dev):
         return False
     return True

@@ -91,17 +91,19 @@ class NormQuantCore:
 
     # ---- row loads and stores ------------------------------------------------------------------
     @cute.jit
-    def _copy_row(self, frag, tRow, lane: Int32, store: cutlass.Constexpr, dtype):
+    def _copy_row(self, frag, tRow, lane: Int32, store: cutlass.Constexpr, dtype,
+                  width: cutlass.Constexpr = VEC):
         """Between a register fragment and row thread `lane`'s vectors of the row tRow (tiled in
-        8-element vectors): store -> tRow <- frag converted to dtype, else frag <- tRow."""
+        vectors of `width` elements: 8 values, or 4 packed words): store -> tRow <- frag converted
+        to dtype, else frag <- tRow."""
         t = self.t
         for j in cutlass.range_constexpr(t.vecs_per_thread):
             v = lane + j * t.row_threads
             if const_expr(t.exact) or v < t.vecs:
                 if const_expr(store):
-                    tRow[(None, v)].store(self._slice(frag, j).load().to(dtype))
+                    tRow[(None, v)].store(self._slice(frag, j, width).load().to(dtype))
                 else:
-                    self._slice(frag, j).store(tRow[(None, v)].load())
+                    self._slice(frag, j, width).store(tRow[(None, v)].load())
 
     def load_row(self, dst, tSrc, lane: Int32):
         """dst (register fragment) <- row thread `lane`'s vectors of the row tSrc."""
@@ -136,18 +138,12 @@ class NormQuantCore:
         else:
             dst.store(src.load().to(Float32))
 
-    @cute.jit
     def store_row16(self, src, mRow, lane: Int32):
         """Row thread `lane`'s vectors of the 16-bit row mRow <- src (a fragment of the row's
         dtype), moved as packed words: no per-element conversion or repacking."""
-        t = self.t
-        words = cute.recast_tensor(src, Int32)
-        tRow = cute.zipped_divide(cute.recast_tensor(mRow, Int32), (VEC // 2,))
-        for j in cutlass.range_constexpr(t.vecs_per_thread):
-            v = lane + j * t.row_threads
-            if const_expr(t.exact) or v < t.vecs:
-                tRow[(None, v)].store(
-                    cute.make_tensor(words.iterator + j * (VEC // 2), cute.make_layout(VEC // 2)).load())
+        self._copy_row(cute.recast_tensor(src, Int32),
+                       cute.zipped_divide(cute.recast_tensor(mRow, Int32), (VEC // 2,)), lane, True,
+                       Int32, VEC // 2)
 
     # ---- reductions ----------------------------------------------------------------------------
     @cute.jit
@@ -323,9 +319,9 @@ class NormQuantCore:
             self._quantize(rH, row, row_valid, scale_valid, lane, row_in_cta, mQ, mS, static_inv,
                            global_scale, bufs)
 
-    def _slice(self, rH, j: int):
-        """The 8-element register view of vector j."""
-        return cute.make_tensor(rH.iterator + j * VEC, cute.make_layout(VEC))
+    def _slice(self, rH, j: int, width: int = VEC):
+        """The register view of vector j (`width` elements: 8 values, or 4 packed words)."""
+        return cute.make_tensor(rH.iterator + j * width, cute.make_layout(width))
 
     @cute.jit
     def _quantize(self, rY, row: Int32, row_valid, scale_valid, lane: Int32, row_in_cta: Int32,

@@ -26,6 +26,10 @@ from distnorm.launch.env import (apply_no_multicast_env, detect_launch_env,  # n
 from sharding import ShardPlan, plan_shard, sharding_enabled  # noqa: E402
 
 apply_no_multicast_env()
+# Inductor starts a pool of compile workers, one per core, for its first compile (16 on the GPU
+# machines, each importing torch); the CPU tests compile toy graphs, in this process and in every
+# rank they spawn (children inherit this), where the pool costs more than it saves.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 _PLAN = pytest.StashKey[ShardPlan]()
 

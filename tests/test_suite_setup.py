@@ -98,8 +98,33 @@ def test_grid_levels_nest():
     assert {(v, d) for v, d, *_ in quick} == {(v, d) for v in VARIANTS for d in ("bf16", "fp16")}
 
 
+
+def test_batch_invariance_covers_every_scale_kind_and_group_size():
+    from test_single_gpu import _invariance_key, invariance_variants
+    assert invariance_variants(8192, "default") == list(VARIANTS)
+    assert invariance_variants(32768, "full") == list(VARIANTS)
+    subset = invariance_variants(32768, "default")
+    assert len(subset) < len(VARIANTS)
+    assert {_invariance_key(v) for v in subset} == {_invariance_key(v) for v in VARIANTS}
+
 # --- conftest under a (faked) launcher: collection only, no process group --------------------------
-def _collect_as(rank: int, world: int, *args: str, shard: str | None = None):
+def _run_all(jobs):
+    """Run pytest as (rank, world, args, shard) of a faked job, for each job at once (each pays
+    torch's import and a collection: several seconds on a GPU machine), and return the finished
+    processes in order."""
+    procs = [_start_as(*job) for job in jobs]
+    done = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            proc.kill()  # none left behind when one timed out (no-op for the finished)
+    return done
+
+
+def _start_as(rank: int, world: int, args, shard: str | None):
     env = without_launcher_vars(os.environ)
     env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(world)})
@@ -110,8 +135,9 @@ def _collect_as(rank: int, world: int, *args: str, shard: str | None = None):
     env["CUDA_VISIBLE_DEVICES"] = ""
     if shard is not None:
         env["DISTNORM_SHARD"] = shard
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def _collected(proc) -> list[str]:
@@ -120,11 +146,11 @@ def _collected(proc) -> list[str]:
 
 def test_launched_ranks_split_the_grid_by_kernel():
     files = ["tests/test_single_gpu.py", "tests/multigpu/test_barrier_gpu.py", "--collect-only"]
-    ranks = [_collect_as(rank, 2, *files) for rank in range(2)]
+    *ranks, unsplit = _run_all([(0, 2, files, None), (1, 2, files, None), (0, 2, files, "0")])
     for proc in ranks:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     got = [_collected(proc) for proc in ranks]
-    everything = _collected(_collect_as(0, 2, *files, shard="0"))
+    everything = _collected(unsplit)
     barrier = [n for n in everything if "multigpu" in n]
     # + 11: test_single_gpu.py's other tests (4 batch-invariance, 3 strided, graph, 2 dependent
     # chains, bad inputs)
@@ -145,21 +171,19 @@ def test_keyword_selection_comes_before_the_split():
     """`mpirun -np 2 pytest -k ...` selecting one test: the split is of what -k selected, so
     rank 1's share is empty and it passes (split first, -k left rank 1 with no tests: exit 5,
     and mpirun failed the job)."""
-    test = ["tests/test_launch.py", "-k", "test_single_process_default"]
-    proc = _collect_as(1, 2, *test)
-    assert proc.returncode == 0, proc.stdout[-2000:]
-    assert "rank 1 of 2 ran 0 of 1 per-process tests" in proc.stdout
-    proc = _collect_as(0, 2, *test)
-    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
+    test = ("tests/test_launch.py", "-k", "test_single_process_default")
+    _assert_rank_1_ran_nothing_and_rank_0_passed(test)
+
+
+def _assert_rank_1_ran_nothing_and_rank_0_passed(test) -> None:
+    proc1, proc0 = _run_all([(1, 2, test, None), (0, 2, test, None)])
+    assert proc1.returncode == 0, proc1.stdout[-2000:]
+    assert "rank 1 of 2 ran 0 of 1 per-process tests" in proc1.stdout
+    assert proc0.returncode == 0 and "1 passed" in proc0.stdout, proc0.stdout[-2000:]
 
 
 def test_a_rank_with_an_empty_share_passes():
-    test = "tests/test_launch.py::test_single_process_default"
-    proc = _collect_as(1, 2, test)
-    assert proc.returncode == 0, proc.stdout[-2000:]
-    assert "rank 1 of 2 ran 0 of 1 per-process tests" in proc.stdout
-    proc = _collect_as(0, 2, test)
-    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
+    _assert_rank_1_ran_nothing_and_rank_0_passed(("tests/test_launch.py::test_single_process_default",))
 
 
 def test_per_process_tests_see_no_launcher_variables():
@@ -170,9 +194,10 @@ def test_per_process_tests_see_no_launcher_variables():
 
 def test_launcher_variables_are_hidden_from_per_process_tests_only():
     inner = "tests/test_suite_setup.py::test_per_process_tests_see_no_launcher_variables"
-    proc = _collect_as(1, 2, inner, shard="0")
+    proc, multigpu = _run_all([(1, 2, (inner,), "0"),
+                               (1, 2, ("tests/multigpu/test_barrier_gpu.py", "-rs"), None)])
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
     # a multi-GPU test still sees the job (here it skips for want of GPUs, saying so)
-    proc = _collect_as(1, 2, "tests/multigpu/test_barrier_gpu.py", "-rs")
+    proc = multigpu
     assert proc.returncode == 0 and "torchrun started 2 ranks on this node" in proc.stdout, \
         proc.stdout[-2000:]

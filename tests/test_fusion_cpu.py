@@ -55,7 +55,26 @@ KINDS = {  # kind -> (sites the pass must fuse, distnorm options of the fused ca
 }
 
 
+def _rows(kind: str) -> int:
+    """Each kind's activations are [2, rows, H] with rows of its own: the pass's log of a fused site
+    names the all_reduce's shape, which then says which kind it was."""
+    return 1 + list(KINDS).index(kind)
+
+
+def _compile_with_pass(fn, fusion, *args):
+    torch._dynamo.reset()
+    torch._inductor.config.post_grad_custom_pre_pass = fusion
+    try:
+        return torch.compile(fn, fullgraph=True)(*args)
+    finally:
+        torch._inductor.config.post_grad_custom_pre_pass = None
+
+
 def _body() -> None:
+    """Every kind in one compiled graph (one Inductor compile per rank instead of one per kind:
+    Inductor's C++ compiles are most of this test's time), each on inputs of its own shape."""
+    import re
+
     import torch.distributed as dist
 
     import distnorm
@@ -66,67 +85,76 @@ def _body() -> None:
     torch.manual_seed(0)
     w = (torch.rand(H) + 0.5).to(torch.bfloat16)
     scale = torch.tensor([0.05])
-    residual = torch.randn(2, 3, H).to(torch.bfloat16)
+    residuals = [torch.randn(2, _rows(kind), H).to(torch.bfloat16) for kind in KINDS]
     torch.manual_seed(1 + rank)
-    x = (torch.randn(2, 3, H) * 2).to(torch.bfloat16)
-    xs = [torch.empty_like(x) for _ in range(2)]
-    dist.all_gather(xs, x)
+    xs = [(torch.randn(2, _rows(kind), H) * 2).to(torch.bfloat16) for kind in KINDS]
+    models = [_model(kind, w, scale) for kind in KINDS]
+
+    def every_kind(xs, residuals):
+        return [model(x, res) for model, x, res in zip(models, xs, residuals)]
+
     ws = distnorm.Workspace(dist.group.WORLD, device="cpu")
-    for kind, (sites, opts) in KINDS.items():
-        fusion = allreduce_fusion_pass(ws)
-        torch._dynamo.reset()
-        torch._inductor.config.post_grad_custom_pre_pass = fusion
-        try:
-            got = torch.compile(_model(kind, w, scale), fullgraph=True)(x.clone(), residual)
-        finally:
-            torch._inductor.config.post_grad_custom_pre_pass = None
-        assert len(fusion.fused) == sites, (kind, fusion.fused, fusion.skipped)
-        eager = _model(kind, w, scale)(x.clone(), residual)
-        for g, e in zip(got, eager):
-            assert g.shape == e.shape and g.dtype == e.dtype, (kind, g.shape, e.shape)
-            if g.dtype == torch.float8_e4m3fn:
-                # one e4m3 step, or a bf16 rounding of the sum (large where x + residual cancels)
-                tol = 0.02 * e.float().abs().max().item()
-                bad = ~torch.isclose(g.float(), e.float(), rtol=0.13, atol=tol)
-                assert not bad.any(), (kind, g.float()[bad][:5], e.float()[bad][:5])
-                assert (g.view(torch.uint8) == e.view(torch.uint8)).float().mean() > 0.9, kind
-            else:
-                assert torch.allclose(g.float(), e.float(), rtol=0.02, atol=0.02), kind
-        if not sites:
-            continue
-        rows = [t.view(-1, H) for t in xs]
-        res = None if kind == "no_residual" else residual.view(-1, H)
-        ref = allreduce_add_rmsnorm_ref(rows, res, w, 1e-5 if kind == "llama" else 1e-6,
-                                        scale=scale, norm_out=True, **opts)
-        ref = ref._replace(**{k: getattr(ref, k).view(2, 3, -1) for k in ("residual", "y", "q")
-                              if getattr(ref, k) is not None})
-        if kind == "no_residual":
-            assert torch.equal(got[0], ref.y)
-        else:
-            assert torch.equal(got[0], ref.residual), kind
-        if kind in ("plain", "residual_first", "llama", "fused_op"):
-            assert torch.equal(got[1], ref.y), kind
-        if kind in ("static", "per_token", "y_and_quant"):
-            qi = 2 if kind == "y_and_quant" else 1
-            assert torch.equal(got[qi].view(torch.uint8), ref.q.view(torch.uint8)), kind
-            if kind != "static":
-                assert torch.equal(got[qi + 1], ref.scales.view(2, 3, 1)), kind
-            if kind == "y_and_quant":
-                assert torch.equal(got[1], ref.y), kind
+    fusion = allreduce_fusion_pass(ws)
+    compiled = _compile_with_pass(every_kind, fusion, [x.clone() for x in xs], residuals)
+    fused_rows = sorted(int(re.match(r"all_reduce\(\(2, (\d+), ", d).group(1)) for d in fusion.fused)
+    assert fused_rows == sorted(_rows(k) for k, (sites, _) in KINDS.items() for _ in range(sites)), \
+        (fusion.fused, fusion.skipped)
+    eagers = every_kind([x.clone() for x in xs], residuals)
+    for (kind, (sites, opts)), x, residual, got, eager in zip(KINDS.items(), xs, residuals, compiled,
+                                                              eagers):
+        _check_kind(kind, sites, opts, x, residual, got, eager, w, scale)
     # a workspace of another group: the WORLD all-reduce is seen, and left alone with the reason
     pair = dist.new_group([0, 1])
     other = distnorm.Workspace(pair, device="cpu")
     fusion = allreduce_fusion_pass(other)
-    torch._dynamo.reset()
-    torch._inductor.config.post_grad_custom_pre_pass = fusion
-    try:
-        torch.compile(_model("plain", w, scale), fullgraph=True)(x.clone(), residual)
-    finally:
-        torch._inductor.config.post_grad_custom_pre_pass = None
+    _compile_with_pass(_model("plain", w, scale), fusion, xs[0].clone(), residuals[0])
     assert not fusion.fused and len(fusion.skipped) == 1 and "no distnorm workspace" in \
         fusion.skipped[0], fusion.skipped
     other.close()
     ws.close()
+
+
+def _check_kind(kind, sites, opts, x, residual, got, eager, w, scale) -> None:
+    """Compiled outputs `got` against the unfused model's (`eager`, close) and, where fused,
+    against distnorm's reference over the gathered partial sums (bitwise)."""
+    import torch.distributed as dist
+
+    from distnorm.reference import allreduce_add_rmsnorm_ref
+
+    for g, e in zip(got, eager):
+        assert g.shape == e.shape and g.dtype == e.dtype, (kind, g.shape, e.shape)
+        if g.dtype == torch.float8_e4m3fn:
+            # one e4m3 step, or a bf16 rounding of the sum (large where x + residual cancels)
+            tol = 0.02 * e.float().abs().max().item()
+            bad = ~torch.isclose(g.float(), e.float(), rtol=0.13, atol=tol)
+            assert not bad.any(), (kind, g.float()[bad][:5], e.float()[bad][:5])
+            assert (g.view(torch.uint8) == e.view(torch.uint8)).float().mean() > 0.9, kind
+        else:
+            assert torch.allclose(g.float(), e.float(), rtol=0.02, atol=0.02), kind
+    if not sites:
+        return
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    shape = x.shape[:-1]
+    rows = [t.view(-1, H) for t in parts]
+    res = None if kind == "no_residual" else residual.view(-1, H)
+    ref = allreduce_add_rmsnorm_ref(rows, res, w, 1e-5 if kind == "llama" else 1e-6,
+                                    scale=scale, norm_out=True, **opts)
+    ref = ref._replace(**{k: getattr(ref, k).view(*shape, -1) for k in ("residual", "y", "q")
+                          if getattr(ref, k) is not None})
+    if kind == "no_residual":
+        assert torch.equal(got[0], ref.y)
+    else:
+        assert torch.equal(got[0], ref.residual), kind
+    if kind in ("plain", "residual_first", "llama", "fused_op"):
+        assert torch.equal(got[1], ref.y), kind
+    if kind in ("static", "per_token", "y_and_quant"):
+        qi = 2 if kind == "y_and_quant" else 1
+        assert torch.equal(got[qi].view(torch.uint8), ref.q.view(torch.uint8)), kind
+        if kind != "static":
+            assert torch.equal(got[qi + 1], ref.scales.view(*shape, 1)), kind
+        if kind == "y_and_quant":
+            assert torch.equal(got[1], ref.y), kind
 
 
 def test_fusion_pass_on_toy_tp_graphs():

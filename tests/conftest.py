@@ -26,10 +26,38 @@ from distnorm.launch.env import (apply_no_multicast_env, detect_launch_env,  # n
 from sharding import ShardPlan, plan_shard, sharding_enabled  # noqa: E402
 
 apply_no_multicast_env()
-# Inductor starts a pool of compile workers, one per core, for its first compile (16 on the GPU
-# machines, each importing torch); the CPU tests compile toy graphs, in this process and in every
-# rank they spawn (children inherit this), where the pool costs more than it saves.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
+def _speed_up_inductor_in_tests() -> None:
+    """Settings for the processes of this test run (the ranks tests spawn inherit them).
+
+    Profiled on an H200 machine (test_fusion_cpu's two ranks, 82 s): Inductor's first compile in
+    each process checks the CPU's vector ISA by building a probe and loading it in a fresh
+    `python -c "import torch ..."` per candidate ISA (11 such runs, 44 s); TORCHINDUCTOR_VEC_ISA_OK=1
+    trusts the CPU's flags instead (a compiler without that ISA then fails the compile loudly).
+    And importing torch._inductor took 15 s on every run there, a second import as long as the
+    first: Python could not keep the compiled bytecode (bytecode writes off or a read-only
+    site-packages), so where it cannot, the bytecode goes to a cache of this user's under the
+    temporary directory."""
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+    import importlib.util
+    import tempfile
+
+    import torch
+
+    pyc = importlib.util.cache_from_source(
+        os.path.join(os.path.dirname(torch.__file__), "_inductor", "compile_fx.py"))
+    if os.path.exists(pyc) or (not sys.dont_write_bytecode
+                               and os.access(os.path.dirname(os.path.dirname(pyc)), os.W_OK)):
+        return
+    prefix = os.path.join(tempfile.gettempdir(), f"distnorm-tests-pycache-{os.getuid()}")
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", prefix)
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
+    sys.dont_write_bytecode = False
+
+
+_speed_up_inductor_in_tests()
 
 _PLAN = pytest.StashKey[ShardPlan]()
 

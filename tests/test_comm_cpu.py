@@ -5,6 +5,7 @@ decoding: tests/test_workspace_fake_cuda.py.)
 
 Processes started here use spawn(cpu_only=True): gloo and no GPU, also on GPU machines (three
 ranks on two GPUs are fine), and, under torchrun / mpirun, their own job, not the launcher's."""
+import gc
 import importlib.util
 import multiprocessing
 import os
@@ -130,6 +131,7 @@ def _threaded_exchange(world: int, tag: str) -> list:
 def test_fd_exchange_concurrent_tags(mode, monkeypatch, tmp_path):
     if mode == "directory":
         monkeypatch.setenv("DISTNORM_FDPASS_DIR", str(tmp_path))
+    gc.collect()  # descriptors of earlier tests' finished processes and queues close now, not during
     before = len(os.listdir("/proc/self/fd"))
     # two exchanges at once with different tags must not mix
     outer = threading.Thread(target=_threaded_exchange, args=(3, "tagA" + uuid.uuid4().hex[:8]))

@@ -9,6 +9,7 @@ may have left a collective half done); the next run starts a fresh one.
 from __future__ import annotations
 
 import atexit
+import multiprocessing as mp
 import os
 import queue as queue_mod
 import sys
@@ -17,15 +18,16 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from distnorm.launch.spawn import (_child_environ, caller_output, enter_child, failure_kind,
-                                   raise_rank_failure, start_context)
+from distnorm.launch.spawn import _child_environ, failure_kind, raise_rank_failure
 
 __all__ = ["RankPool", "shared_pool", "close_shared_pool"]
 
 
-def _worker(rank: int, nprocs: int, environ: dict, output: tuple[int, int], backend: str | None,
-            timeout_s: float, cpu_only: bool, tasks: Any, results: Any) -> None:
-    enter_child(environ, output)
+def _worker(rank: int, nprocs: int, port: int, backend: str | None, timeout_s: float,
+            cpu_only: bool, tasks: Any, results: Any) -> None:
+    environ = _child_environ(rank, nprocs, port, {})
+    os.environ.clear()
+    os.environ.update(environ)
     from distnorm.launch.dist import cleanup, init_distributed
 
     try:
@@ -65,13 +67,12 @@ class RankPool:
         from distnorm.launch.dist import free_port
 
         self.nprocs, self.backend, self.cpu_only = nprocs, backend, cpu_only
-        ctx = start_context()
+        ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(nprocs)]
         port = free_port()
         self._procs = [ctx.Process(target=_worker, name=f"distnorm-pool-rank{rank}", daemon=True,
-                                   args=(rank, nprocs, _child_environ(rank, nprocs, port, {}),
-                                         caller_output(), backend, timeout_s, cpu_only,
+                                   args=(rank, nprocs, port, backend, timeout_s, cpu_only,
                                          self._tasks[rank], self._results))
                        for rank in range(nprocs)]
         for p in self._procs:

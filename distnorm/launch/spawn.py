@@ -20,7 +20,6 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Mapping
-from multiprocessing import reduction
 from typing import Any
 
 from distnorm.launch.env import detect_launch_env, gpu_sharing_requested, without_launcher_vars
@@ -70,61 +69,6 @@ def raise_rank_failure(kind: str, rank: int, nprocs: int, summary: str, tb: str,
     raise (AssertionError if kind == "assert" else RuntimeError)(message)
 
 
-# Children start from a fork server that imported torch once (multiprocessing "forkserver" with
-# these modules preloaded) instead of each importing torch again as "spawn" children do: 1.9 s per
-# 2-rank spawn() on the CPU machine, more on the GPU machines, for every spawn() of a test run. The
-# server is a fresh process, not a fork of the caller: it holds no CUDA context, so children still
-# select their GPUs; they take the caller's environment as it is at spawn() (_child).
-_PRELOAD = ["torch", "torch.distributed", "distnorm.launch.dist"]
-
-
-def start_context() -> Any:
-    """The multiprocessing context distnorm starts ranks with (spawn(), RankPool)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
-
-class CallerFd:
-    """A file descriptor of the caller, handed to a child at its start (a Process argument): the
-    fork server's children do not inherit the caller's descriptors, so a child points its stdout /
-    stderr at these to write where a "spawn" child would (e.g. into pytest's capture)."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-
-    def __reduce__(self):
-        return (_detach, (reduction.DupFd(self.fd),))
-
-
-def _detach(dup: Any) -> int:
-    return dup.detach()
-
-
-def use_caller_output(fds: tuple[int, int]) -> None:
-    """In a child: stdout and stderr go to the caller's (from CallerFd arguments)."""
-    for target, fd in zip((1, 2), fds):
-        os.dup2(fd, target)
-        os.close(fd)
-
-
-def enter_child(environ: Mapping[str, str], output: tuple[int, int]) -> None:
-    """First thing in a started rank: the caller's output streams, and its environment as it was
-    at the start (the fork server's is older), before anything reads it (torch.distributed, MPI,
-    detect_launch_env). Module-level code of the target's module already ran with the fork
-    server's environment while the target was unpickled."""
-    use_caller_output(output)
-    os.environ.clear()
-    os.environ.update(environ)
-
-
-def caller_output() -> tuple[CallerFd, CallerFd]:
-    """The caller's stdout and stderr, as Process arguments for use_caller_output."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    return CallerFd(1), CallerFd(2)
-
-
 def _child_environ(rank: int, nprocs: int, port: int,
                    extra_env: Mapping[str, str]) -> dict[str, str]:
     """The environment of child ``rank``: the parent's without its launcher's variables (the child
@@ -137,10 +81,14 @@ def _child_environ(rank: int, nprocs: int, port: int,
     return environ
 
 
-def _child(fn: Callable[..., Any], args: tuple, rank: int, nprocs: int, backend: str | None,
-           timeout_s: float, environ: Mapping[str, str], cpu_only: bool, output: tuple[int, int],
+def _child(fn: Callable[..., Any], args: tuple, rank: int, nprocs: int, port: int,
+           backend: str | None, timeout_s: float, extra_env: Mapping[str, str], cpu_only: bool,
            results: Any) -> None:
-    enter_child(environ, output)
+    # Replaced before anything reads it (torch.distributed, MPI, detect_launch_env). Module-level
+    # code of fn's module already ran with the inherited environment while fn was unpickled.
+    environ = _child_environ(rank, nprocs, port, extra_env)
+    os.environ.clear()
+    os.environ.update(environ)
     from distnorm.launch.dist import cleanup, init_distributed
 
     try:
@@ -188,7 +136,7 @@ def _stop(procs: list[Any]) -> None:
 def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 300.0,
           backend: str | None = None, env: Mapping[str, str] | None = None,
           cpu_only: bool = False) -> None:
-    """Start ``nprocs`` processes (start_context()); each runs init_distributed() then fn(*args).
+    """Start ``nprocs`` processes (multiprocessing "spawn"); each runs init_distributed() then fn(*args).
 
     fn and args must be picklable (fn defined at module level). ``env`` adds environment variables
     in the children. The children form their own job: they never inherit the rank variables of a
@@ -208,13 +156,12 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 30
         raise ValueError(f"backend {backend!r} needs GPUs, but cpu_only=True")
     from distnorm.launch.dist import free_port
 
-    ctx = start_context()
+    ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, name=f"distnorm-rank{rank}",
-                         args=(fn, args, rank, nprocs, backend, timeout_s,
-                               _child_environ(rank, nprocs, port, dict(env or {})), cpu_only,
-                               caller_output(), results))
+                         args=(fn, args, rank, nprocs, port, backend, timeout_s, dict(env or {}),
+                               cpu_only, results))
              for rank in range(nprocs)]
     deadline = time.monotonic() + timeout_s
     done: set[int] = set()

@@ -79,7 +79,6 @@ def _body() -> None:
 
     import distnorm
     from distnorm.fusion import allreduce_fusion_pass
-    from distnorm.reference import allreduce_add_rmsnorm_ref
 
     rank = dist.get_rank()
     torch.manual_seed(0)

@@ -71,8 +71,8 @@ def _compile_with_pass(fn, fusion, *args):
 
 
 def _body() -> None:
-    """Every kind in one compiled graph (one Inductor compile per rank instead of one per kind:
-    Inductor's C++ compiles are most of this test's time), each on inputs of its own shape."""
+    """Every kind in one compiled graph (one Inductor compile per rank instead of one per kind),
+    each on inputs of its own shape."""
     import re
 
     import torch.distributed as dist

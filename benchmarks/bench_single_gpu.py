@@ -116,6 +116,7 @@ def main():
                         n: _time_rotating(fused, sets)
                         for n in args.cluster_sizes if _force_cluster(n, H)}
                     _force_cluster(None, H)
+                row["copy_us"] = _copy_same_bytes_us(nbytes, len(sets))
                 if len(sets) > 1:  # the footprint fits in L2: the hot figure too
                     row["us_hot"] = _time_rotating(fused, sets[:1])
                 x, r, _ = sets[0]
@@ -201,6 +202,21 @@ def _time_rotating(call, sets) -> float:
     return time_graph_us(fn, calls_per_graph=n, repeats=10)
 
 
+def _copy_same_bytes_us(nbytes: int, count: int) -> float:
+    """us per call of one SM copy kernel (torch.mul(a, 1.0, out=b)) that reads nbytes / 2 and writes
+    nbytes / 2, cycling through `count` buffer pairs as the kernel's timing cycles through its
+    input sets: what the same bytes cost at this size when nothing but moving them is asked (launch,
+    ramp-up and tail included), the ceiling of a point, where the copy_tbs line is a 2 GiB copy's."""
+    n = max(1, nbytes // 8)  # float32 elements per side
+    pairs = [(torch.empty(n, device="cuda"), torch.empty(n, device="cuda")) for _ in range(count)]
+    counter = iter(range(1 << 30))
+
+    def fn():
+        a, b = pairs[next(counter) % count]
+        return torch.mul(a, 1.0, out=b)
+    return time_graph_us(fn, calls_per_graph=max(20, count), repeats=10)
+
+
 def merge(paths: list, out: str) -> None:
     """One results JSON from several runs (e.g. one per hidden size): rows concatenated in order."""
     runs = [json.load(open(p)) for p in paths]
@@ -252,12 +268,16 @@ def write_table(path, meta, rows):
              f"Command: `{meta['command']}`", "",
              "distnorm us / TB/s / % copy: cold (rotating sets, HBM); hot: same inputs every call "
              "(footprint in L2); torch.compile: static shapes, CUDA graph, same rotation.", "",
-             "| variant | M | H | sets | distnorm us | TB/s | % copy | hot us | eager ref us (no graph) | torch.compile us | speedup vs compile |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "same-size copy: one copy kernel moving the same bytes, cold the same way (its us, and "
+             "its time / distnorm's).", "",
+             "| variant | M | H | sets | distnorm us | TB/s | % copy | same-size copy us | % of it | hot us | eager ref us (no graph) | torch.compile us | speedup vs compile |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         c = r.get("compile_us")
         hot = r.get("us_hot")
-        lines.append(f"| {r['variant']} | {r['M']} | {r['H']} | {r.get('sets', 1)} | {r['us']:.2f} | {r['tbs']:.2f} | {r['pct_copy']:.0f}% | "
+        cp = r.get("copy_us")
+        same = "| |" if cp is None else f"{cp:.2f} | {100 * cp / r['us']:.0f}% |"
+        lines.append(f"| {r['variant']} | {r['M']} | {r['H']} | {r.get('sets', 1)} | {r['us']:.2f} | {r['tbs']:.2f} | {r['pct_copy']:.0f}% | {same} "
                      f"{'' if hot is None else round(hot, 2)} | "
                      f"{r.get('eager_us', float('nan')):.1f} | {c if c is None else round(c, 2)} | "
                      + ("" if c is None else "%.2fx" % (c / r["us"])) + " |"

@@ -57,7 +57,6 @@ def _speed_up_inductor_in_tests() -> None:
     sys.dont_write_bytecode = False
 
 
-
 def _undo_mpirun_core_binding() -> None:
     """Open MPI binds each rank to one core by default when it starts 1 or 2 ranks (to a socket
     above that), and every process a test then starts (spawned ranks, Inductor's compiler runs)

@@ -203,18 +203,15 @@ def _time_rotating(call, sets) -> float:
 
 
 def _copy_same_bytes_us(nbytes: int, count: int) -> float:
-    """us per call of one SM copy kernel (torch.mul(a, 1.0, out=b)) that reads nbytes / 2 and writes
-    nbytes / 2, cycling through `count` buffer pairs as the kernel's timing cycles through its
-    input sets: what the same bytes cost at this size when nothing but moving them is asked (launch,
-    ramp-up and tail included), the ceiling of a point, where the copy_tbs line is a 2 GiB copy's."""
+    """us per call of one SM copy kernel (torch.mul(a, 1.0, out=b), as copy_bandwidth_tbs) that
+    reads nbytes / 2 and writes nbytes / 2, cycling through `count` buffer pairs as the kernel's
+    timing cycles through its input sets: what the same bytes cost at this size when nothing but
+    moving them is asked (launch, ramp-up and tail included), the ceiling of a point, where the
+    copy_tbs line is a 2 GiB copy's."""
     n = max(1, nbytes // 8)  # float32 elements per side
-    pairs = [(torch.empty(n, device="cuda"), torch.empty(n, device="cuda")) for _ in range(count)]
-    counter = iter(range(1 << 30))
-
-    def fn():
-        a, b = pairs[next(counter) % count]
-        return torch.mul(a, 1.0, out=b)
-    return time_graph_us(fn, calls_per_graph=max(20, count), repeats=10)
+    pairs = [(torch.empty(n, device="cuda"), torch.empty(n, device="cuda"), None)
+             for _ in range(count)]
+    return _time_rotating(lambda a, b, _: torch.mul(a, 1.0, out=b), pairs)
 
 
 def merge(paths: list, out: str) -> None:

@@ -42,6 +42,12 @@ VARIANTS = {
     "mxfp4_linear": ("mxfp4", {"sf_layout": "linear"}),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def variant_spec(variant: str):
+    """The QuantSpec of a VARIANTS entry (None for bf16 output; Gemma is not a format option)."""
+    quant, opts = VARIANTS[variant]
+    return formats.make_quant_spec(quant, **{k: v for k, v in opts.items() if k != "gemma"})
 EDGE_HIDDEN = (256, 32768)
 MIDDLE_HIDDEN = (1536, 4096, 5120, 8192, 16384)
 TOKENS = (0, 1, 7, 128, 4099)
@@ -95,7 +101,7 @@ def run_and_check(variant, dtype, M, H, *, residual=True, in_place=False, row_pa
         kw["scale"] = scale
     if quant == "nvfp4":
         kw["global_scale"] = gs
-    spec = formats.make_quant_spec(quant, **{k: v for k, v in opts.items() if k != "gemma"})
+    spec = variant_spec(variant)
     ref = add_rmsnorm_ref(  # before the call: with in_place the kernel overwrites res
 x, res if residual else None, w, 1e-6, norm_out=True, **kw)
     outs = {}
@@ -132,8 +138,7 @@ def test_fused_norm(variant, dtype, H, M):
 # hidden sizes check the first variant of each (group size, scale kind, fp4 or not): 8 of 13
 # (layouts and Gemma differ only per element). DISTNORM_FULL=1 checks every variant there too.
 def _invariance_key(variant: str):
-    quant, opts = VARIANTS[variant]
-    spec = formats.make_quant_spec(quant, **{k: v for k, v in opts.items() if k != "gemma"})
+    spec = variant_spec(variant)
     return None if spec is None else (spec.group_size, spec.info.scales, spec.packed_fp4)
 
 
@@ -162,7 +167,7 @@ def test_batch_invariance(H):
     x, res, w = make_inputs(1, H, torch.bfloat16, H)
     for variant in invariance_variants(H, grid_level(os.environ)):
         quant, opts = VARIANTS[variant]
-        spec = formats.make_quant_spec(quant, **{k: v for k, v in opts.items() if k != "gemma"})
+        spec = variant_spec(variant)
         kw = dict(quant=quant, norm_out=True, **opts)
         if quant == "fp8":
             kw["scale"] = torch.tensor([0.05], device="cuda")

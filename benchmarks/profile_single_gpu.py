@@ -6,6 +6,11 @@ time of an eager call.
     python benchmarks/profile_single_gpu.py --table ncu.csv fp8:1:4096 nvfp4:1024:4096   # one line per case
     python benchmarks/profile_single_gpu.py --host     # host us per eager call, whole and in pieces
 
+Per SASS instruction (one case): `ncu --profile-from-start off --section SourceCounters --section
+WarpStateStats -o rep python benchmarks/profile_single_gpu.py --cases nvfp4:1024:4096`, then
+`ncu --import rep.ncu-rep --page source --csv --print-source sass > src.csv` and
+`python benchmarks/profile_single_gpu.py --source src.csv` (opcode mix, stall reasons, hot lines).
+
 A case is variant:M:H with the variants of bench_single_gpu.py. Only the profiled launch sits
 between cudaProfilerStart/Stop (compilation and input creation stay outside); ncu flushes the
 caches before it, so it reads from HBM.
@@ -33,6 +38,7 @@ import distnorm  # noqa: E402
 # instructions, and the stall reasons per issued instruction
 METRICS = [("gpu__time_duration.sum", "us"),
            ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "dram%"),
+           ("dram__bytes_read.sum", "dram rd"), ("dram__bytes_write.sum", "dram wr"),
            ("launch__registers_per_thread", "regs"), ("launch__grid_size", "grid"),
            ("launch__block_size", "block"), ("launch__cluster_dim_x", "cluster"),
            ("launch__occupancy_limit_registers", "ctas/SM(regs)"),
@@ -65,6 +71,35 @@ def print_table(path: str, cases: list) -> None:
         print(f"{case:26}" + "".join(cells))
 
 
+def print_source_summary(path: str, top: int = 12) -> None:
+    """Summarize an `ncu --page source --csv --print-source sass` export: executed instructions and
+    stall samples per opcode, the stall reasons, and the lines with the most samples."""
+    import collections
+    rows = list(csv.reader(open(path)))
+    head = next(i for i, r in enumerate(rows) if "Source" in r and "Address" in r)
+    names, data = rows[head], [r for r in rows[head + 1:] if len(r) == len(rows[head])]
+    i_src, i_inst = names.index("Source"), names.index("Instructions Executed")
+    i_samp = names.index("Warp Stall Sampling (All Samples)")
+    stalls = [i for i, n in enumerate(names) if n.startswith("stall_") and "Not Issued" not in n]
+    inst, samp, why = collections.Counter(), collections.Counter(), collections.Counter()
+    for r in data:
+        words = [w for w in r[i_src].split() if not w.startswith("@")]
+        op = words[0].split(".")[0] if words else "?"
+        inst[op] += int(r[i_inst] or 0)
+        samp[op] += int(r[i_samp] or 0)
+        for i in stalls:
+            why[names[i][6:]] += int(r[i] or 0)
+    n_inst, n_samp = sum(inst.values()), max(1, sum(samp.values()))
+    print(f"{n_inst} warp instructions, {n_samp} stall samples")
+    print("opcode      inst%  samples%")
+    for op, n in inst.most_common(top):
+        print(f"{op:10} {100 * n / n_inst:6.1f} {100 * samp[op] / n_samp:8.1f}")
+    print("stalls: " + ", ".join(f"{k} {100 * v / n_samp:.1f}%" for k, v in why.most_common(8)))
+    for r in sorted(data, key=lambda r: -int(r[i_samp] or 0))[:top]:
+        reason = max(stalls, key=lambda i: int(r[i] or 0))
+        print(f"{int(r[i_samp]):7} {names[reason][6:]:14} {r[i_src].strip()[:80]}")
+
+
 def case_call(variant: str, M: int, H: int):
     kw = variant_kwargs(variant)
     w = (torch.rand(H, device="cuda") + 0.5).to(torch.bfloat16)
@@ -77,6 +112,7 @@ def main() -> None:
     ap.add_argument("--cases", nargs="*", default=[])
     ap.add_argument("--host", action="store_true")
     ap.add_argument("--metrics", action="store_true", help="print the ncu metric list and exit")
+    ap.add_argument("--source", metavar="CSV", help="summarize an ncu source-page CSV (no GPU)")
     ap.add_argument("--table", nargs="+", metavar=("CSV", "CASE"),
                     help="print an ncu CSV as a table, rows labelled by the cases")
     args = ap.parse_args()
@@ -84,6 +120,8 @@ def main() -> None:
         return print(",".join(m for m, _ in METRICS))
     if args.table:
         return print_table(args.table[0], args.table[1:])
+    if args.source:
+        return print_source_summary(args.source)
     for case in args.cases:
         v, M, H = case.split(":")
         call = case_call(v, int(M), int(H))

@@ -413,6 +413,14 @@ def swizzled_offset(row, blk, k: int):
     return ((row >> 7) * kp4 + (blk >> 2)) * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4 + (blk & 3)
 
 
+def swizzled_word_row(w):
+    """The row (0..127, within its 128-row tile) whose 4 scales (blocks 4b .. 4b + 3) fill 4-byte
+    word w of the tile (word offset of swizzled_offset(row, 4b, k) less the tile's first word): a
+    tile is kp4 = ceil(k / 4) runs of 128 words, word w % 128 of a run holding row
+    (w % 4) * 32 + (w % 128) // 4. Integer arithmetic for Python ints, tensors and kernel Int32."""
+    return ((w & 3) << 5) + ((w & 127) >> 2)
+
+
 def from_swizzled(sw: Tensor, M: int, K: int) -> Tensor:
     """Inverse of to_swizzled: the [M, K] linear scales held by a swizzled [Mp, Kp] tensor."""
     Mp, Kp = round_up(M, 128), round_up(K, 4)

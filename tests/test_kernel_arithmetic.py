@@ -11,7 +11,7 @@ check the kernels themselves):
 import pytest
 import torch
 
-from distnorm.formats import E2M1_GRID, e2m1_codes, swizzled_offset, to_swizzled
+from distnorm.formats import E2M1_GRID, e2m1_codes, swizzled_offset, swizzled_word_row, to_swizzled
 
 THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
@@ -60,6 +60,18 @@ def test_swizzled_offset_is_to_swizzled(M, K):
     prow = torch.arange(Mp).view(Mp, 1).expand(Mp, Kp)
     pblk = torch.arange(Kp).view(1, Kp).expand(Mp, Kp)
     assert torch.equal(swizzled_offset(prow, pblk, K).flatten().sort().values, torch.arange(Mp * Kp))
+
+
+@pytest.mark.parametrize("K", [1, 3, 4, 7, 256, 2048])
+def test_swizzled_word_row_is_swizzled_offset(K):
+    """The padding CTAs' word -> row map (formats.swizzled_word_row, as the kernel calls it): word w
+    of a tile starts at the offset of its row's block 4 * (w // 128), and every (row, group of 4
+    blocks) of the tile has exactly one word."""
+    kp4 = (K + 3) // 4
+    w = torch.arange(kp4 * 128)
+    row = swizzled_word_row(w)
+    assert torch.equal(swizzled_offset(row, 4 * (w // 128), K), 4 * w)
+    assert torch.equal((row * kp4 + w // 128).sort().values, torch.arange(kp4 * 128))
 
 
 def _correctly_rounded(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

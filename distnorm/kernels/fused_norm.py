@@ -20,12 +20,13 @@ from distnorm.kernels.tiling import RowTiling
 
 # NOTE [padding CTAs]
 # The swizzled scale layout has whole 128-row tiles, so a call of M rows also writes zero scales for
-# rows M .. round_up(M, 128) - 1. Rows are covered by CTAs (clusters) of rows_per_cta rows as usual;
-# the padding rows beyond the last row block go to extra CTAs that write only scales, each covering
-# PAD_GROUPS_PER_CTA row groups: at M = 1 the padding is 127 rows, which one CTA (cluster) per row
-# group launched as 127 more CTAs (at H = 32768 127 clusters of 4), 0.5-0.8 us of a 4.5-5.6 us
-# call (benchmarks/results/pdl_ab_h200.md: nvfp4 vs nvfp4_linear).
-PAD_GROUPS_PER_CTA = 16
+# rows M .. round_up(M, 128) - 1 of its last tile. Extra CTAs after the row CTAs do that and only
+# that: the tile's 4-byte words in memory order, PAD_WORDS_PER_THREAD per thread, skipping the words
+# of real rows (NormQuantCore.store_padding_scales). Before, padding rows were handed out like real
+# rows (16 per CTA, a byte store per block): coalesced badly, their CTAs were the last to finish
+# at M = 1 (NVFP4, H = 8192: 2.97 us against 2.59 for the linear layout, which has no padding;
+# benchmarks/results/pad_ctas_ab_h200.md).
+PAD_WORDS_PER_THREAD = 16
 
 
 class FusedAddRMSNormQuant:
@@ -48,9 +49,8 @@ class FusedAddRMSNormQuant:
         blocks = (m + t.rows_per_cta - 1) // t.rows_per_cta
         if const_expr(self.q.swizzled):
             rows = (m + 127) // 128 * 128  # the 128x4 scale layout's padded rows are written too
-            # NOTE [padding CTAs]
-            per_pad_block = t.rows_per_cta * PAD_GROUPS_PER_CTA
-            blocks += (rows - blocks * t.rows_per_cta + per_pad_block - 1) // per_pad_block
+            # NOTE [padding CTAs]: only when the last tile is partial
+            blocks += self._pad_clusters() * ((m % 128 + 127) // 128)
         self.kernel(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, eps, rows).launch(
             grid=[blocks * t.cluster_n, 1, 1],
             block=[t.threads, 1, 1],
@@ -58,6 +58,13 @@ class FusedAddRMSNormQuant:
             stream=stream,
             use_pdl=self.pdl,
         )
+
+    def _pad_clusters(self) -> int:
+        """Clusters (CTAs without one) that zero a partial last tile's padding scales."""
+        t = self.t
+        tile_words = (t.hidden // self.q.group_size + 3) // 4 * 128
+        per_cluster = PAD_WORDS_PER_THREAD * t.threads * t.cluster_n
+        return -(-tile_words // per_cluster)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mR, mRout, mW: cute.Tensor, mY, mQ, mS, mScale, mGS,
@@ -84,13 +91,9 @@ class FusedAddRMSNormQuant:
             # NOTE [padding CTAs]: every CTA of a cluster agrees on the branch
             row_blocks = (m + t.rows_per_cta - 1) // t.rows_per_cta
             if bidx // t.cluster_n >= row_blocks:
-                first = (row_blocks + (bidx // t.cluster_n - row_blocks) * PAD_GROUPS_PER_CTA) \
-                    * t.rows_per_cta + row_in_cta
-                stop = first + PAD_GROUPS_PER_CTA * t.rows_per_cta
-                if stop > rows:
-                    stop = rows
-                for pad_row in range(first, stop, t.rows_per_cta):
-                    self.core.store_padding_scales(mS, pad_row, lane)
+                pad_cta = bidx - row_blocks * t.cluster_n
+                self.core.store_padding_scales(mS, m, pad_cta * PAD_WORDS_PER_THREAD * t.threads,
+                                               tidx, t.threads, PAD_WORDS_PER_THREAD)
             else:
                 self._fuse_row(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, eps, rows, row, lane,
                                row_in_cta, bufs)

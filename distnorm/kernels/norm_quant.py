@@ -29,7 +29,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from distnorm.formats import (E2M1_MAX, E4M3_MAX, PER_TOKEN_MIN_AMAX, VEC, QuantSpec,
-                              swizzled_offset)
+                              swizzled_offset, swizzled_word_row)
 from distnorm.kernels import ptx
 from distnorm.kernels.tiling import RowTiling
 
@@ -383,16 +383,20 @@ class NormQuantCore:
             self._store_scale(mS, row, Int32(c), Float32(0.0))
 
     @cute.jit
-    def store_padding_scales(self, mS, row: Int32, lane: Int32):
-        """A padding row of the swizzled scale layout (M <= row < round_up(M, 128)): store the
-        zero scales the epilogue would compute from y = 0, without its loads and reductions (at
-        M = 1 the padding is 127 rows, each a full epilogue before). No synchronization."""
-        t = self.t
-        lanes = self.q.group_size // VEC
-        for j in cutlass.range_constexpr(t.vecs_per_thread):
-            v = lane + j * t.row_threads
-            if const_expr(t.exact) or v < t.vecs:
-                if lane % lanes == 0:
-                    self._store_scale(mS, row, v // lanes, Float32(0.0))
-        if lane == 0:
-            self._zero_padding_columns(mS, row)
+    def store_padding_scales(self, mS, m: Int32, first_word: Int32, tid: Int32, threads: int,
+                             per_thread: int):
+        """Zero scales for the padding rows m .. round_up(m, 128) - 1 of the swizzled layout (what
+        the epilogue would compute from y = 0), words first_word + i * threads + tid (i <
+        per_thread) of the last, partial tile (its words in memory order: a warp's stores are 128
+        contiguous bytes). A word holds one row's 4 blocks (formats.swizzled_word_row), so words of
+        real rows are skipped whole and no byte is shared. No synchronization."""
+        k = self.t.hidden // self.q.group_size
+        tile_words = (k + 3) // 4 * 128
+        words = cute.make_tensor(cute.recast_ptr(mS.iterator, dtype=Int32),
+                                 cute.make_layout(mS.shape[0] * mS.shape[1] // 4))
+        base = (m // 128) * tile_words
+        for i in cutlass.range_constexpr(per_thread):
+            w = first_word + i * threads + tid
+            if w < tile_words:
+                if swizzled_word_row(w) >= m % 128:
+                    words[base + w] = Int32(0)

@@ -22,11 +22,12 @@ from distnorm.kernels.tiling import RowTiling
 # The swizzled scale layout has whole 128-row tiles, so a call of M rows also writes zero scales for
 # rows M .. round_up(M, 128) - 1 of its last tile. Extra CTAs after the row CTAs do that and only
 # that: the tile's 4-byte words in memory order, PAD_WORDS_PER_THREAD per thread, skipping the words
-# of real rows (NormQuantCore.store_padding_scales). Before, padding rows were handed out like real
-# rows (16 per CTA, a byte store per block): coalesced badly, their CTAs were the last to finish
-# at M = 1 (NVFP4, H = 8192: 2.97 us against 2.59 for the linear layout, which has no padding;
-# benchmarks/results/pad_ctas_ab_h200.md).
-PAD_WORDS_PER_THREAD = 16
+# of real rows (NormQuantCore.store_padding_scales), so a warp stores 128 contiguous bytes. Before,
+# padding rows were handed out like real rows (16 per CTA, a byte store per block) and their CTAs
+# finished last at M = 1: NVFP4 at H = 8192 took 2.97 us against 2.59 for the linear layout, which
+# has no padding; now 2.45 (benchmarks/results/pad_words_ab_h200.md, with 4, 16, 64 and 256 words
+# per thread: 4 was best or within noise nearly everywhere).
+PAD_WORDS_PER_THREAD = 4
 
 
 class FusedAddRMSNormQuant:

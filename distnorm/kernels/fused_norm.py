@@ -21,13 +21,14 @@ from distnorm.kernels.tiling import RowTiling
 # NOTE [padding CTAs]
 # The swizzled scale layout has whole 128-row tiles, so a call of M rows also writes zero scales for
 # rows M .. round_up(M, 128) - 1 of its last tile. Extra CTAs after the row CTAs do that and only
-# that: the tile's 4-byte words in memory order, PAD_WORDS_PER_THREAD per thread, skipping the words
-# of real rows (NormQuantCore.store_padding_scales), so a warp stores 128 contiguous bytes. Before,
-# padding rows were handed out like real rows (16 per CTA, a byte store per block) and their CTAs
-# finished last at M = 1: NVFP4 at H = 8192 took 2.97 us against 2.59 for the linear layout, which
-# has no padding; now 2.45 (benchmarks/results/pad_words_ab_h200.md, with 4, 16, 64 and 256 words
-# per thread: 4 was best or within noise nearly everywhere).
-PAD_WORDS_PER_THREAD = 4
+# that: the tile's 4-byte words in memory order, skipping the words of real rows
+# (NormQuantCore.store_padding_scales), so a warp stores 128 contiguous bytes; about PAD_CTAS of
+# them, at least MIN_PAD_WORDS words per thread. Before, padding rows were handed out like real rows
+# (16 per CTA, a byte store per block) and their CTAs finished last at M = 1: NVFP4 at H = 8192
+# took 2.97 us against 2.59 for the linear layout, which has no padding
+# (benchmarks/results/pad_words_ab_h200.md: 4, 16, 64, 256 words per thread, then this rule).
+PAD_CTAS = 8
+MIN_PAD_WORDS = 4
 
 
 class FusedAddRMSNormQuant:
@@ -60,12 +61,16 @@ class FusedAddRMSNormQuant:
             use_pdl=self.pdl,
         )
 
+    def _pad_words_per_thread(self) -> int:
+        """Words each padding CTA thread zeroes (NOTE [padding CTAs])."""
+        tile_words = (self.t.hidden // self.q.group_size + 3) // 4 * 128
+        return max(MIN_PAD_WORDS, -(-tile_words // (PAD_CTAS * self.t.threads)))
+
     def _pad_clusters(self) -> int:
         """Clusters (CTAs without one) that zero a partial last tile's padding scales."""
         t = self.t
         tile_words = (t.hidden // self.q.group_size + 3) // 4 * 128
-        per_cluster = PAD_WORDS_PER_THREAD * t.threads * t.cluster_n
-        return -(-tile_words // per_cluster)
+        return -(-tile_words // (self._pad_words_per_thread() * t.threads * t.cluster_n))
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mR, mRout, mW: cute.Tensor, mY, mQ, mS, mScale, mGS,
@@ -93,8 +98,9 @@ class FusedAddRMSNormQuant:
             row_blocks = (m + t.rows_per_cta - 1) // t.rows_per_cta
             if bidx // t.cluster_n >= row_blocks:
                 pad_cta = bidx - row_blocks * t.cluster_n
-                self.core.store_padding_scales(mS, m, pad_cta * PAD_WORDS_PER_THREAD * t.threads,
-                                               tidx, t.threads, PAD_WORDS_PER_THREAD)
+                per_thread = self._pad_words_per_thread()
+                self.core.store_padding_scales(mS, m, pad_cta * per_thread * t.threads, tidx,
+                                               t.threads, per_thread)
             else:
                 self._fuse_row(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, eps, rows, row, lane,
                                row_in_cta, bufs)

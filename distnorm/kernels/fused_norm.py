@@ -26,7 +26,7 @@ from distnorm.kernels.tiling import RowTiling
 # them, at least MIN_PAD_WORDS words per thread. Before, padding rows were handed out like real rows
 # (16 per CTA, a byte store per block) and their CTAs finished last at M = 1: NVFP4 at H = 8192
 # took 2.97 us against 2.59 for the linear layout, which has no padding
-# (benchmarks/results/pad_words_ab_h200.md: 4, 16, 64, 256 words per thread, then this rule).
+# (benchmarks/results/pad_coalesced_ab_h200.md: 4, 16, 64, 256 words per thread, then this rule).
 PAD_CTAS = 8
 MIN_PAD_WORDS = 4
 

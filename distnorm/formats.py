@@ -413,6 +413,11 @@ def swizzled_offset(row, blk, k: int):
     return ((row >> 7) * kp4 + (blk >> 2)) * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4 + (blk & 3)
 
 
+def swizzled_tile_words(k: int) -> int:
+    """4-byte words in one 128-row tile of the swizzled layout of k blocks per row (k padded to 4)."""
+    return (k + 3) // 4 * 128
+
+
 def swizzled_word_row(w):
     """The row (0..127, within its 128-row tile) whose 4 scales (blocks 4b .. 4b + 3) fill 4-byte
     word w of the tile (word offset of swizzled_offset(row, 4b, k) less the tile's first word): a

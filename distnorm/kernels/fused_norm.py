@@ -13,7 +13,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from distnorm.formats import VEC, QuantSpec  # absolute imports: see compat.py
+from distnorm.formats import VEC, QuantSpec, swizzled_tile_words  # absolute imports: see compat.py
 from distnorm.kernels.norm_quant import NormQuantCore
 from distnorm.kernels.tiling import RowTiling
 
@@ -63,13 +63,13 @@ class FusedAddRMSNormQuant:
 
     def _pad_words_per_thread(self) -> int:
         """Words each padding CTA thread zeroes (NOTE [padding CTAs])."""
-        tile_words = (self.t.hidden // self.q.group_size + 3) // 4 * 128
+        tile_words = swizzled_tile_words(self.t.hidden // self.q.group_size)
         return max(MIN_PAD_WORDS, -(-tile_words // (PAD_CTAS * self.t.threads)))
 
     def _pad_clusters(self) -> int:
         """Clusters (CTAs without one) that zero a partial last tile's padding scales."""
         t = self.t
-        tile_words = (t.hidden // self.q.group_size + 3) // 4 * 128
+        tile_words = swizzled_tile_words(t.hidden // self.q.group_size)
         return -(-tile_words // (self._pad_words_per_thread() * t.threads * t.cluster_n))
 
     @cute.kernel

@@ -29,7 +29,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from distnorm.formats import (E2M1_MAX, E4M3_MAX, PER_TOKEN_MIN_AMAX, VEC, QuantSpec,
-                              swizzled_offset, swizzled_word_row)
+                              swizzled_offset, swizzled_tile_words, swizzled_word_row)
 from distnorm.kernels import ptx
 from distnorm.kernels.tiling import RowTiling
 
@@ -389,9 +389,9 @@ class NormQuantCore:
         the epilogue would compute from y = 0), words first_word + i * threads + tid (i <
         per_thread) of the last, partial tile (its words in memory order: a warp's stores are 128
         contiguous bytes). A word holds one row's 4 blocks (formats.swizzled_word_row), so words of
-        real rows are skipped whole and no byte is shared. No synchronization."""
-        k = self.t.hidden // self.q.group_size
-        tile_words = (k + 3) // 4 * 128
+        real rows are skipped whole and no byte is shared (rows past m in the last row block also
+        get zeros from the epilogue: the same value). No synchronization."""
+        tile_words = swizzled_tile_words(self.t.hidden // self.q.group_size)
         words = cute.make_tensor(cute.recast_ptr(mS.iterator, dtype=Int32),
                                  cute.make_layout(mS.shape[0] * mS.shape[1] // 4))
         base = (m // 128) * tile_words

@@ -48,6 +48,8 @@ def variant_spec(variant: str):
     """The QuantSpec of a VARIANTS entry (None for bf16 output; Gemma is not a format option)."""
     quant, opts = VARIANTS[variant]
     return formats.make_quant_spec(quant, **{k: v for k, v in opts.items() if k != "gemma"})
+
+
 EDGE_HIDDEN = (256, 32768)
 MIDDLE_HIDDEN = (1536, 4096, 5120, 8192, 16384)
 TOKENS = (0, 1, 7, 128, 4099)

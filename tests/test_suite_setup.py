@@ -98,7 +98,6 @@ def test_grid_levels_nest():
     assert {(v, d) for v, d, *_ in quick} == {(v, d) for v in VARIANTS for d in ("bf16", "fp16")}
 
 
-
 def test_batch_invariance_covers_every_scale_kind_and_group_size():
     from test_single_gpu import _invariance_key, invariance_variants
     assert invariance_variants(8192, "default") == list(VARIANTS)
@@ -106,6 +105,7 @@ def test_batch_invariance_covers_every_scale_kind_and_group_size():
     subset = invariance_variants(32768, "default")
     assert len(subset) < len(VARIANTS)
     assert {_invariance_key(v) for v in subset} == {_invariance_key(v) for v in VARIANTS}
+
 
 # --- conftest under a (faked) launcher: collection only, no process group --------------------------
 def _run_all(jobs):
@@ -198,6 +198,5 @@ def test_launcher_variables_are_hidden_from_per_process_tests_only():
                                (1, 2, ("tests/multigpu/test_barrier_gpu.py", "-rs"), None)])
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
     # a multi-GPU test still sees the job (here it skips for want of GPUs, saying so)
-    proc = multigpu
-    assert proc.returncode == 0 and "torchrun started 2 ranks on this node" in proc.stdout, \
-        proc.stdout[-2000:]
+    assert multigpu.returncode == 0 and "torchrun started 2 ranks on this node" in multigpu.stdout, \
+        multigpu.stdout[-2000:]

@@ -169,6 +169,38 @@ def test_launch_world_size_shares_one_gpu_only_when_asked(monkeypatch):
         assert launch_world_size() == want, (gpus, share)
 
 
+def _body_counts_ranks() -> None:
+    import torch.distributed as dist
+
+    assert dist.get_world_size() == 2
+
+
+def test_side_by_side_spawns_never_collide_on_a_port():
+    """Spawning jobs side by side (two ranks of an enclosing launcher, each running a test that
+    spawns): each job's rendezvous store is bound by its parent at a port the OS picks, so no job can
+    take another's port between picking and binding (EADDRINUSE, seen under torchrun on 2 GPUs)."""
+    import threading
+
+    from distnorm.launch.dist import host_rendezvous_store
+
+    stores = [host_rendezvous_store() for _ in range(8)]
+    assert len({port for _, port in stores}) == 8  # all bound at once: distinct by construction
+    errors: list[BaseException] = []
+
+    def one_job():
+        try:
+            spawn(_body_counts_ranks, 2, timeout_s=120, cpu_only=True)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    jobs = [threading.Thread(target=one_job) for _ in range(3)]
+    for t in jobs:
+        t.start()
+    for t in jobs:
+        t.join()
+    assert not errors, errors
+
+
 def test_free_port_is_bindable():
     import socket
 
@@ -209,7 +241,10 @@ def _body_describes_itself(parent_port: str) -> None:
 
     rank = dist.get_rank()
     assert detect_launch_env() == LaunchEnv(rank, rank, 2, 2, "torchrun")
-    leaked = sorted(k for k in os.environ if k.startswith(("OMPI_", "PMI_", "TORCHELASTIC_")))
+    from distnorm.launch.dist import JOIN_HOSTED_STORE_ENV
+
+    leaked = sorted(k for k in os.environ if k.startswith(("OMPI_", "PMI_", "TORCHELASTIC_"))
+                    and JOIN_HOSTED_STORE_ENV.get(k) != os.environ[k])  # spawn's own: its store
     assert not leaked, f"rank {rank} inherited {leaked}"
     assert os.environ["MASTER_PORT"] != parent_port
     assert os.environ["DISTNORM_TEST_EXTRA"] == "yes"

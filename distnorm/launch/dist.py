@@ -24,7 +24,7 @@ from typing import Any
 from distnorm.launch.env import LaunchEnv, apply_no_multicast_env, detect_launch_env
 
 __all__ = ["init_distributed", "cleanup", "shutdown", "get_or_create_group", "split_world",
-           "free_port", "mpi_comm_world", "local_device_index"]
+           "free_port", "host_rendezvous_store", "mpi_comm_world", "local_device_index"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+#: In a child's environment: join the parent's store as a client (torch's env:// rendezvous then
+#: does what it does under torchrun, whose agent hosts the store) instead of rank 0 hosting it.
+JOIN_HOSTED_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def host_rendezvous_store() -> tuple[Any, int]:
+    """A TCPStore server on 127.0.0.1 at a port the OS picks while binding, and that port.
+
+    For jobs this process starts (spawn, RankPool): their ranks join it as clients (children's
+    environment gets ``JOIN_HOSTED_STORE_ENV``). Unlike :func:`free_port`, no other process can
+    take the port between picking and binding (seen as EADDRINUSE when two spawning test processes
+    ran side by side under torchrun). Keep the returned store alive until the job has ended.
+    """
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return store, int(store.port)
 
 
 def mpi_comm_world() -> Any:

@@ -64,13 +64,13 @@ class RankPool:
                  cpu_only: bool = False) -> None:
         if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
             raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
-        from distnorm.launch.dist import free_port
+        from distnorm.launch.dist import host_rendezvous_store
 
         self.nprocs, self.backend, self.cpu_only = nprocs, backend, cpu_only
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(nprocs)]
-        port = free_port()
+        self._store, port = host_rendezvous_store()  # the ranks' rendezvous, while they live
         self._procs = [ctx.Process(target=_worker, name=f"distnorm-pool-rank{rank}", daemon=True,
                                    args=(rank, nprocs, port, backend, timeout_s, cpu_only,
                                          self._tasks[rank], self._results))

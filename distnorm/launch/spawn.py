@@ -73,8 +73,11 @@ def _child_environ(rank: int, nprocs: int, port: int,
                    extra_env: Mapping[str, str]) -> dict[str, str]:
     """The environment of child ``rank``: the parent's without its launcher's variables (the child
     belongs to its own job of ``nprocs``, not to the parent's), plus ``extra_env`` and its place."""
+    from distnorm.launch.dist import JOIN_HOSTED_STORE_ENV
+
     environ = without_launcher_vars(os.environ)
     environ.update(extra_env)
+    environ.update(JOIN_HOSTED_STORE_ENV)
     environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
                     "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(port)})
@@ -154,11 +157,11 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 30
         raise TypeError(f"cpu_only must be a bool, got {type(cpu_only).__name__}")
     if cpu_only and backend is not None and "nccl" in backend:
         raise ValueError(f"backend {backend!r} needs GPUs, but cpu_only=True")
-    from distnorm.launch.dist import free_port
+    from distnorm.launch.dist import host_rendezvous_store
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store, port = host_rendezvous_store()  # noqa: F841 - serves the children until we return
     procs = [ctx.Process(target=_child, name=f"distnorm-rank{rank}",
                          args=(fn, args, rank, nprocs, port, backend, timeout_s, dict(env or {}),
                                cpu_only, results))

@@ -23,6 +23,7 @@ import pytest  # noqa: E402
 
 from distnorm.launch.env import (apply_no_multicast_env, detect_launch_env,  # noqa: E402
                                  without_launcher_vars)
+from compile_tally import CompileTally  # noqa: E402
 from sharding import ShardPlan, plan_shard, sharding_enabled  # noqa: E402
 
 apply_no_multicast_env()
@@ -76,9 +77,16 @@ _undo_mpirun_core_binding()  # first: before torch sizes its thread pool from th
 _speed_up_inductor_in_tests()
 
 _PLAN = pytest.StashKey[ShardPlan]()
+_TALLY = pytest.StashKey[CompileTally]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    import logging
+
+    tally = config.stash[_TALLY] = CompileTally()
+    compile_log = logging.getLogger("distnorm.compile")
+    compile_log.addHandler(tally)
+    compile_log.setLevel(logging.DEBUG)
     env = detect_launch_env()
     if not env.is_multiprocess:
         return
@@ -99,6 +107,11 @@ def _per_process_tests_run_as_plain_processes(request: pytest.FixtureRequest,
     if request.node.get_closest_marker("multigpu") is None and detect_launch_env().is_multiprocess:
         for key in set(os.environ) - set(without_launcher_vars(os.environ)):
             monkeypatch.delenv(key)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.config.stash[_TALLY].current = item.nodeid
 
 
 def _shard_key(item: pytest.Item):
@@ -140,6 +153,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     plan = config.stash.get(_PLAN, None)
     if plan is not None:
         terminalreporter.write_line(f"distnorm sharding: {plan.summary()}")
+    for line in config.stash[_TALLY].summary():
+        terminalreporter.write_line(line)
 
 
 @pytest.hookimpl(trylast=True)

@@ -200,3 +200,28 @@ def test_launcher_variables_are_hidden_from_per_process_tests_only():
     # a multi-GPU test still sees the job (here it skips for want of GPUs, saying so)
     assert multigpu.returncode == 0 and "torchrun started 2 ranks on this node" in multigpu.stdout, \
         multigpu.stdout[-2000:]
+
+
+def test_compile_tally_adds_compile_seconds_to_the_running_test():
+    import logging
+
+    from compile_tally import CompileTally
+
+    tally = CompileTally()
+    log = logging.getLogger("distnorm.compile.test_tally")
+    log.addHandler(tally)
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
+    try:
+        tally.current = "t::a"
+        log.debug("compiled k in 1.50 s", extra={"compile_s": 1.5})
+        log.debug("compiled k in 0.50 s", extra={"compile_s": 0.5})
+        log.debug("a record without seconds")
+        tally.current = "t::b"
+        log.debug("compiled k in 3.00 s", extra={"compile_s": 3.0})
+    finally:
+        log.removeHandler(tally)
+    lines = tally.summary()
+    assert lines[0].startswith("distnorm compile time: 3 kernels in 5.0 s")
+    assert "t::b" in lines[1] and "3.0 s" in lines[1] and "t::a" in lines[2] and "2 kernels" in lines[2]
+    assert CompileTally().summary() == []

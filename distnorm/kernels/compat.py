@@ -6,7 +6,9 @@ kernel module's imports and cannot resolve relative ones.
 """
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 import cutlass.cute as cute
 
@@ -23,6 +25,15 @@ def sym_int(width: int = 32, divisibility: int = 1):
     return cute.sym_int(width, divisibility=divisibility)
 
 
+#: One DEBUG record per kernel compiled, with its seconds as ``record.compile_s`` (the test suite
+#: adds them up per test: compiling is most of what a test of a new kernel shape costs).
+compile_log = logging.getLogger("distnorm.compile")
+
+
 def compile_tvm_ffi(fn, *args):
     """cute.compile with the TVM-FFI calling convention (~3.5 us per call instead of ~40 us)."""
-    return cute.compile(fn, *args, options="--enable-tvm-ffi" + (" --keep-ptx" if os.environ.get("DISTNORM_KEEP_PTX") else ""))
+    start = time.perf_counter()
+    compiled = cute.compile(fn, *args, options="--enable-tvm-ffi" + (" --keep-ptx" if os.environ.get("DISTNORM_KEEP_PTX") else ""))
+    seconds = time.perf_counter() - start
+    compile_log.debug("compiled %s in %.2f s", type(fn).__name__, seconds, extra={"compile_s": seconds})
+    return compiled

@@ -62,6 +62,13 @@ elif QUICK:
 else:
     TOKENS = [1, 3, 1000, "cap+1"]
     HIDDEN = [4096, 7168]
+# The default grid gives each algorithm one of HIDDEN (a kernel compiles per format and H: that is
+# what the grid costs): oneshot and lamport 4096, twoshot 7168. test_batch_invariance holds every
+# algorithm and format at 7168 (and 16384) bitwise to each other, so twoshot's check against the
+# reference there covers the others; twoshot at 4096 meets the reference in test_cuda_graph_replays
+# and the peer path in test_rowsplit_gpu.
+HIDDEN_OF = {algo: HIDDEN if FULL or QUICK else [HIDDEN[i % len(HIDDEN)]]
+             for i, algo in enumerate(ALGOS)}
 
 
 # --- helpers (run on every rank) -----------------------------------------------------------
@@ -185,7 +192,7 @@ def _body_grid(algo: str) -> None:
     with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
         assert ws.p2p_ok, f"no peer mappings: {ws.fallback_reason}"
         seed = 1
-        for H in HIDDEN:
+        for H in HIDDEN_OF[algo]:
             for qname in QUANTS:
                 _, spec = _kwargs(qname)
                 for M in TOKENS:
@@ -459,8 +466,8 @@ def _body_nd_inputs() -> None:
 
 
 def _body_batch_invariance() -> None:
-    """A row's outputs (residual, y, q, scales, all-reduce) are bitwise the same in batches of
-    M = 1, 7, 128, 4099 and under every algorithm, and the single-GPU kernel on that row's h gives
+    """A row's outputs (residual, y, q, scales, all-reduce) at H = 7168 and 16384 are bitwise the
+    same in batches of M = 1, 7, 128, 4099 and under every algorithm, and the single-GPU kernel on that row's h gives
     the same y, q and scales (NOTE [batch invariance] in kernels/norm_quant.py)."""
     import distnorm
     from distnorm.collectives import allreduce_add_rmsnorm
@@ -470,7 +477,7 @@ def _body_batch_invariance() -> None:
     boot = _boot()
     with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
         def check():
-            for H in (4096, 16384):
+            for H in (7168, 16384):
                 x, res, w = _inputs(1, H, ws.rank, 4242 + H)
                 g = torch.Generator(device="cuda").manual_seed(ws.rank * 31 + H)
                 for qname in QUANTS:

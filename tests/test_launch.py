@@ -201,6 +201,18 @@ def test_side_by_side_spawns_never_collide_on_a_port():
     assert not errors, errors
 
 
+def _body_sees_no_gpu() -> None:
+    import torch
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert torch.cuda.device_count() == 0 and not torch.cuda.is_available()
+
+
+def test_cpu_only_ranks_see_no_gpu():
+    """cpu_only children cannot pick a GPU by accident (on a GPU machine: checked there)."""
+    spawn(_body_sees_no_gpu, 2, timeout_s=120, cpu_only=True)
+
+
 def test_free_port_is_bindable():
     import socket
 

@@ -25,7 +25,7 @@ __all__ = ["RankPool", "shared_pool", "close_shared_pool"]
 
 def _worker(rank: int, nprocs: int, port: int, backend: str | None, timeout_s: float,
             cpu_only: bool, tasks: Any, results: Any) -> None:
-    environ = _child_environ(rank, nprocs, port, {})
+    environ = _child_environ(rank, nprocs, port, {}, cpu_only)
     os.environ.clear()
     os.environ.update(environ)
     from distnorm.launch.dist import cleanup, init_distributed

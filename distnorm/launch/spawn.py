@@ -69,13 +69,17 @@ def raise_rank_failure(kind: str, rank: int, nprocs: int, summary: str, tb: str,
     raise (AssertionError if kind == "assert" else RuntimeError)(message)
 
 
-def _child_environ(rank: int, nprocs: int, port: int,
-                   extra_env: Mapping[str, str]) -> dict[str, str]:
+def _child_environ(rank: int, nprocs: int, port: int, extra_env: Mapping[str, str],
+                   cpu_only: bool) -> dict[str, str]:
     """The environment of child ``rank``: the parent's without its launcher's variables (the child
-    belongs to its own job of ``nprocs``, not to the parent's), plus ``extra_env`` and its place."""
+    belongs to its own job of ``nprocs``, not to the parent's), plus ``extra_env`` and its place.
+    A ``cpu_only`` child sees no GPU (``CUDA_VISIBLE_DEVICES`` empty unless ``extra_env`` sets it):
+    nothing in it can pick a GPU by accident, and it skips the driver's start-up on one."""
     from distnorm.launch.dist import JOIN_HOSTED_STORE_ENV
 
     environ = without_launcher_vars(os.environ)
+    if cpu_only:
+        environ["CUDA_VISIBLE_DEVICES"] = ""
     environ.update(extra_env)
     environ.update(JOIN_HOSTED_STORE_ENV)
     environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
@@ -89,7 +93,7 @@ def _child(fn: Callable[..., Any], args: tuple, rank: int, nprocs: int, port: in
            results: Any) -> None:
     # Replaced before anything reads it (torch.distributed, MPI, detect_launch_env). Module-level
     # code of fn's module already ran with the inherited environment while fn was unpickled.
-    environ = _child_environ(rank, nprocs, port, extra_env)
+    environ = _child_environ(rank, nprocs, port, extra_env, cpu_only)
     os.environ.clear()
     os.environ.update(environ)
     from distnorm.launch.dist import cleanup, init_distributed
@@ -144,7 +148,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 30
     fn and args must be picklable (fn defined at module level). ``env`` adds environment variables
     in the children. The children form their own job: they never inherit the rank variables of a
     launcher (torchrun, mpirun) that started this process. ``cpu_only=True`` keeps them off the
-    GPUs (gloo, no device selected), so CPU work may use more ranks than there are GPUs.
+    GPUs (gloo, no GPU visible to them), so CPU work may use more ranks than there are GPUs.
     Returns when every child finished; raises on the first failure or timeout.
     """
     if not callable(fn):

@@ -134,40 +134,53 @@ def test_fused_norm(variant, dtype, H, M):
     run_and_check(variant, DTYPES[dtype], M, H)
 
 
-# From H = 16384 a row may be spread over a cluster, so each (variant, H) compiles three kernels
-# (about a second each at H = 32768). A row's thread layout depends on H and the cluster only
-# (kernels/tiling.py), what crosses threads on the scale kind and group size, so by default these
-# hidden sizes check the first variant of each (group size, scale kind, fp4 or not): 8 of 13
-# (layouts and Gemma differ only per element). DISTNORM_FULL=1 checks every variant there too.
+# From H = 16384 a row may be spread over a cluster, so each (variant, H) compiles up to three
+# kernels (about a second each at H = 32768). A row's thread layout depends on H and the cluster only
+# (kernels/tiling.py), what crosses threads on the scale kind and group size, so by default the
+# clustered sizes check one variant per (group size, scale kind, fp4 or not): 8 of 13 (layouts and
+# Gemma differ only per element). Compiling is what the test costs, so by default each check uses a
+# (variant, dtype, H) that test_fused_norm's grid compiles anyway (in the same process, plain pytest
+# or one rank, the kernels are reused): every variant at its middle grid size (below 16384), and
+# at 16384 / 32768 a variant of each kind whose grid has that size where one does.
+# DISTNORM_FULL=1 checks every variant in bf16 at 4096, 8192, 16384 and 32768.
 def _invariance_key(variant: str):
     spec = variant_spec(variant)
     return None if spec is None else (spec.group_size, spec.info.scales, spec.packed_fp4)
 
 
-def invariance_hidden(level: str) -> tuple[int, ...]:
-    """Hidden sizes of test_batch_invariance: one without a cluster and the two with one; 8192
-    (no cluster either) with DISTNORM_FULL=1."""
-    return (4096, 8192, 16384, 32768) if level == "full" else (4096, 16384, 32768)
+CLUSTER_HIDDEN = (16384, 32768)
 
 
-def invariance_variants(H: int, level: str) -> list[str]:
-    """The variants test_batch_invariance checks at hidden size H and grid level `level`."""
-    if H < 16384 or level == "full":
-        return list(VARIANTS)
-    first = {}
-    for variant in VARIANTS:
-        first.setdefault(_invariance_key(variant), variant)
-    return list(first.values())
+def invariance_cases(level: str) -> dict[str, list[tuple[str, str, int]]]:
+    """{test id: [(variant, dtype id, H), ...]} of test_batch_invariance at grid level `level`."""
+    if level == "full":
+        return {str(h): [(v, "bf16", h) for v in VARIANTS] for h in (4096, 8192) + CLUSTER_HIDDEN}
+    grid = set(fused_norm_cases("default"))
+    in_grid = {(v, d, h) for v, d, h, _m in grid}
+    cases = {"no_cluster": []}
+    for variant in VARIANTS:  # its middle size, bf16 first: below 16384 in one of the dtypes
+        cases["no_cluster"].append(next((variant, d, h) for d in DTYPES for h in MIDDLE_HIDDEN
+                                        if h < CLUSTER_HIDDEN[0] and (variant, d, h) in in_grid))
+    for h in CLUSTER_HIDDEN:
+        kinds: dict = {}
+        for variant in VARIANTS:
+            kinds.setdefault(_invariance_key(variant), []).append(variant)
+        cases[str(h)] = [next(((v, d, h) for v in same for d in DTYPES if (v, d, h) in in_grid),
+                              (same[0], "bf16", h)) for same in kinds.values()]
+    return cases
 
 
-@pytest.mark.parametrize("H", invariance_hidden(grid_level(os.environ)))
-def test_batch_invariance(H):
+INVARIANCE_CASES = invariance_cases(grid_level(os.environ))
+
+
+@pytest.mark.parametrize("label", list(INVARIANCE_CASES))
+def test_batch_invariance(label):
     """A row's outputs are bitwise the same in batches of M = 1, 7, 60, 128, 4099 (the cluster size
     changes with M, H and format: 1 to 4 CTAs per row; M = 60 is the 49..64-row choice), every
     format (at H >= 16384 one per group size and scale kind unless DISTNORM_FULL=1)."""
-    g = torch.Generator(device="cuda").manual_seed(H)
-    x, res, w = make_inputs(1, H, torch.bfloat16, H)
-    for variant in invariance_variants(H, grid_level(os.environ)):
+    for variant, dtype, H in INVARIANCE_CASES[label]:
+        g = torch.Generator(device="cuda").manual_seed(H)
+        x, res, w = make_inputs(1, H, DTYPES[dtype], H)
         quant, opts = VARIANTS[variant]
         spec = variant_spec(variant)
         kw = dict(quant=quant, norm_out=True, **opts)
@@ -183,7 +196,7 @@ def test_batch_invariance(H):
             if first is None:
                 first = got
             else:
-                assert_same_bytes(got, first, f"{variant} H={H}: M={M} vs M=1")
+                assert_same_bytes(got, first, f"{variant} {dtype} H={H}: M={M} vs M=1")
 
 
 @pytest.mark.parametrize("variant", ["none", "fp8_per_token", "nvfp4_swizzled"])

@@ -99,12 +99,23 @@ def test_grid_levels_nest():
 
 
 def test_batch_invariance_covers_every_scale_kind_and_group_size():
-    from test_single_gpu import _invariance_key, invariance_variants
-    assert invariance_variants(8192, "default") == list(VARIANTS)
-    assert invariance_variants(32768, "full") == list(VARIANTS)
-    subset = invariance_variants(32768, "default")
-    assert len(subset) < len(VARIANTS)
-    assert {_invariance_key(v) for v in subset} == {_invariance_key(v) for v in VARIANTS}
+    from test_single_gpu import (CLUSTER_HIDDEN, _invariance_key, fused_norm_cases,
+                                 invariance_cases)
+    full = invariance_cases("full")
+    assert all(sorted(v for v, _, _ in cases) == sorted(VARIANTS) for cases in full.values())
+    default = invariance_cases("default")
+    assert sorted(v for v, _, h in default["no_cluster"]) == sorted(VARIANTS)
+    assert all(h < CLUSTER_HIDDEN[0] for _, _, h in default["no_cluster"])
+    assert len({h for _, _, h in default["no_cluster"]}) >= 3  # several sizes, not one
+    for h in CLUSTER_HIDDEN:
+        cases = default[str(h)]
+        assert {hh for _, _, hh in cases} == {h} and len(cases) < len(VARIANTS)
+        assert {_invariance_key(v) for v, _, _ in cases} == {_invariance_key(v) for v in VARIANTS}
+    # reuse: most checks run a (variant, dtype, H) that the default grid compiles anyway
+    in_grid = {(v, d, h) for v, d, h, _ in fused_norm_cases("default")}
+    checks = [c for cases in default.values() for c in cases]
+    assert sum(c in in_grid for c in checks) >= len(checks) - 4, \
+        [c for c in checks if c not in in_grid]
 
 
 # --- conftest under a (faked) launcher: collection only, no process group --------------------------

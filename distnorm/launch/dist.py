@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import random
 import socket
 import time
 import warnings
@@ -24,38 +25,35 @@ from typing import Any
 from distnorm.launch.env import LaunchEnv, apply_no_multicast_env, detect_launch_env
 
 __all__ = ["init_distributed", "cleanup", "shutdown", "get_or_create_group", "split_world",
-           "free_port", "host_rendezvous_store", "mpi_comm_world", "local_device_index"]
+           "free_port", "mpi_comm_world", "local_device_index"]
 
 log = logging.getLogger(__name__)
 
 _groups: dict[tuple[int, ...], Any] = {}
 
 
+#: free_port's range: below Linux's ephemeral ports (32768-60999), which the OS hands out for bind(0)
+#: and outgoing connections, so two processes picking at the same moment do not get the same one.
+PORT_RANGE = (20000, 32768)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port that was free a moment ago: a random one of PORT_RANGE that binds.
 
-
-#: In a child's environment: join the parent's store as a client (torch's env:// rendezvous then
-#: does what it does under torchrun, whose agent hosts the store) instead of rank 0 hosting it.
-JOIN_HOSTED_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
-
-
-def host_rendezvous_store() -> tuple[Any, int]:
-    """A TCPStore server on 127.0.0.1 at a port the OS picks while binding, and that port.
-
-    For jobs this process starts (spawn, RankPool): their ranks join it as clients (children's
-    environment gets ``JOIN_HOSTED_STORE_ENV``). Unlike :func:`free_port`, no other process can
-    take the port between picking and binding (seen as EADDRINUSE when two spawning test processes
-    ran side by side under torchrun). Keep the returned store alive until the job has ended.
-    """
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    return store, int(store.port)
+    Not bind(0): the OS gives the same just-released port to the next process that asks, so two
+    test processes spawning jobs side by side (under torchrun on 2 GPUs) got one port and the
+    second job's rank 0 failed with EADDRINUSE."""
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(*PORT_RANGE)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"free_port: no free port in {PORT_RANGE} on {host!r} after 100 tries")
 
 
 def mpi_comm_world() -> Any:

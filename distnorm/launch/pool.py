@@ -18,7 +18,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from distnorm.launch.spawn import _child_environ, failure_kind, raise_rank_failure
+from distnorm.launch.spawn import (_child_environ, _is_transient_rendezvous, failure_kind,
+                                   raise_rank_failure)
 
 __all__ = ["RankPool", "shared_pool", "close_shared_pool"]
 
@@ -33,7 +34,8 @@ def _worker(rank: int, nprocs: int, port: int, backend: str | None, timeout_s: f
     try:
         init_distributed(backend=backend, timeout_s=timeout_s, cuda=False if cpu_only else None)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        results.put(("error", rank, f"start-up: {type(e).__name__}: {e}", traceback.format_exc()))
+        kind = "rendezvous" if _is_transient_rendezvous(e) else "error"
+        results.put((kind, rank, f"start-up: {type(e).__name__}: {e}", traceback.format_exc()))
         results.close()
         results.join_thread()
         os._exit(1)
@@ -64,13 +66,13 @@ class RankPool:
                  cpu_only: bool = False) -> None:
         if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
             raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
-        from distnorm.launch.dist import host_rendezvous_store
+        from distnorm.launch.dist import free_port
 
         self.nprocs, self.backend, self.cpu_only = nprocs, backend, cpu_only
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(nprocs)]
-        self._store, port = host_rendezvous_store()  # the ranks' rendezvous, while they live
+        port = free_port()
         self._procs = [ctx.Process(target=_worker, name=f"distnorm-pool-rank{rank}", daemon=True,
                                    args=(rank, nprocs, port, backend, timeout_s, cpu_only,
                                          self._tasks[rank], self._results))

@@ -47,11 +47,28 @@ def launch_world_size() -> int:
     return gpus
 
 
+#: How often spawn() starts a job whose ranks could not connect (see _is_transient_rendezvous).
+RENDEZVOUS_ATTEMPTS = 3
+
+
+class RendezvousError(RuntimeError):
+    """A spawned job's ranks could not connect to each other (before any rank ran its body)."""
+
+
 def failure_kind(e: BaseException) -> str:
     """How a rank's exception reaches the parent: "skip" (pytest.skip), "assert", or "error"."""
     if type(e).__module__.startswith("_pytest") and type(e).__name__ == "Skipped":
         return "skip"
     return "assert" if isinstance(e, AssertionError) else "error"
+
+
+def _is_transient_rendezvous(e: BaseException) -> bool:
+    """Connection failures of torch.distributed's start that a new attempt can get past: the
+    store's port taken (EADDRINUSE) or Gloo's full-mesh connect dropped, seen with several jobs
+    starting at once on a loaded 2-core machine ("Connection closed by peer" in connectFullMesh)."""
+    text = f"{type(e).__name__}: {e}"
+    return any(sign in text for sign in ("DistNetworkError", "EADDRINUSE", "connectFullMesh",
+                                         "Address already in use"))
 
 
 def raise_rank_failure(kind: str, rank: int, nprocs: int, summary: str, tb: str,
@@ -66,7 +83,7 @@ def raise_rank_failure(kind: str, rank: int, nprocs: int, summary: str, tb: str,
     if others:
         message += "\n--- other ranks failed too (possibly as a consequence) ---\n"
         message += "\n".join(others)
-    raise (AssertionError if kind == "assert" else RuntimeError)(message)
+    raise {"assert": AssertionError, "rendezvous": RendezvousError}.get(kind, RuntimeError)(message)
 
 
 def _child_environ(rank: int, nprocs: int, port: int, extra_env: Mapping[str, str],
@@ -75,13 +92,10 @@ def _child_environ(rank: int, nprocs: int, port: int, extra_env: Mapping[str, st
     belongs to its own job of ``nprocs``, not to the parent's), plus ``extra_env`` and its place.
     A ``cpu_only`` child sees no GPU (``CUDA_VISIBLE_DEVICES`` empty unless ``extra_env`` sets it):
     nothing in it can pick a GPU by accident, and it skips the driver's start-up on one."""
-    from distnorm.launch.dist import JOIN_HOSTED_STORE_ENV
-
     environ = without_launcher_vars(os.environ)
     if cpu_only:
         environ["CUDA_VISIBLE_DEVICES"] = ""
     environ.update(extra_env)
-    environ.update(JOIN_HOSTED_STORE_ENV)
     environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
                     "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(port)})
@@ -98,13 +112,16 @@ def _child(fn: Callable[..., Any], args: tuple, rank: int, nprocs: int, port: in
     os.environ.update(environ)
     from distnorm.launch.dist import cleanup, init_distributed
 
+    started = False
     try:
         init_distributed(backend=backend, timeout_s=timeout_s, cuda=False if cpu_only else None)
+        started = True
         fn(*args)
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
         # Report before tearing anything down: closing connections first would make the other
         # ranks fail too, and their (secondary) errors could reach the parent first.
-        results.put((failure_kind(e), rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        kind = "rendezvous" if not started and _is_transient_rendezvous(e) else failure_kind(e)
+        results.put((kind, rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         results.close()
@@ -161,11 +178,24 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 30
         raise TypeError(f"cpu_only must be a bool, got {type(cpu_only).__name__}")
     if cpu_only and backend is not None and "nccl" in backend:
         raise ValueError(f"backend {backend!r} needs GPUs, but cpu_only=True")
-    from distnorm.launch.dist import host_rendezvous_store
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+        try:
+            _spawn_once(fn, nprocs, args, max(deadline - time.monotonic(), 1.0), backend, env,
+                        cpu_only)
+            return
+        except RendezvousError:  # no body ran: a fresh job on a new port is safe
+            if attempt == RENDEZVOUS_ATTEMPTS or time.monotonic() >= deadline:
+                raise
+
+
+def _spawn_once(fn: Callable[..., Any], nprocs: int, args: tuple, timeout_s: float,
+                backend: str | None, env: Mapping[str, str] | None, cpu_only: bool) -> None:
+    from distnorm.launch.dist import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    store, port = host_rendezvous_store()  # noqa: F841 - serves the children until we return
+    port = free_port()
     procs = [ctx.Process(target=_child, name=f"distnorm-rank{rank}",
                          args=(fn, args, rank, nprocs, port, backend, timeout_s, dict(env or {}),
                                cpu_only, results))
@@ -242,4 +272,10 @@ def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int | None = Non
         return
     from distnorm.launch.pool import shared_pool
 
-    shared_pool(nprocs, backend).run(fn, *args, timeout_s=timeout_s)
+    for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+        try:  # a pool whose ranks could not connect ran no body; the next call starts a fresh one
+            shared_pool(nprocs, backend).run(fn, *args, timeout_s=timeout_s)
+            return
+        except RendezvousError:
+            if attempt == RENDEZVOUS_ATTEMPTS:
+                raise

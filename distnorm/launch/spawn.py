@@ -179,12 +179,18 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 30
     if cpu_only and backend is not None and "nccl" in backend:
         raise ValueError(f"backend {backend!r} needs GPUs, but cpu_only=True")
     deadline = time.monotonic() + timeout_s
+    _again_if_ranks_cannot_connect(lambda: _spawn_once(
+        fn, nprocs, args, max(deadline - time.monotonic(), 1.0), backend, env, cpu_only), deadline)
+
+
+def _again_if_ranks_cannot_connect(start_job: Callable[[], None], deadline: float) -> None:
+    """start_job(), again (up to RENDEZVOUS_ATTEMPTS in all, before ``deadline``) when its ranks
+    could not connect: no body ran, so a fresh job on a new port is safe."""
     for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
         try:
-            _spawn_once(fn, nprocs, args, max(deadline - time.monotonic(), 1.0), backend, env,
-                        cpu_only)
+            start_job()
             return
-        except RendezvousError:  # no body ran: a fresh job on a new port is safe
+        except RendezvousError:
             if attempt == RENDEZVOUS_ATTEMPTS or time.monotonic() >= deadline:
                 raise
 
@@ -272,10 +278,6 @@ def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int | None = Non
         return
     from distnorm.launch.pool import shared_pool
 
-    for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
-        try:  # a pool whose ranks could not connect ran no body; the next call starts a fresh one
-            shared_pool(nprocs, backend).run(fn, *args, timeout_s=timeout_s)
-            return
-        except RendezvousError:
-            if attempt == RENDEZVOUS_ATTEMPTS:
-                raise
+    # a pool whose ranks could not connect is closed; shared_pool then starts a fresh one
+    _again_if_ranks_cannot_connect(
+        lambda: shared_pool(nprocs, backend).run(fn, *args, timeout_s=timeout_s), float("inf"))

@@ -467,8 +467,8 @@ def _body_nd_inputs() -> None:
 
 def _body_batch_invariance() -> None:
     """A row's outputs (residual, y, q, scales, all-reduce) at H = 7168 and 16384 are bitwise the
-    same in batches of M = 1, 7, 128, 4099 and under every algorithm, and the single-GPU kernel on that row's h gives
-    the same y, q and scales (NOTE [batch invariance] in kernels/norm_quant.py)."""
+    same in batches of M = 1, 7, 128, 4099 and under every algorithm, and the single-GPU kernel on
+    that row's h gives the same y, q and scales (NOTE [batch invariance] in kernels/norm_quant.py)."""
     import distnorm
     from distnorm.collectives import allreduce_add_rmsnorm
     from distnorm.comm import Workspace

@@ -1,8 +1,8 @@
 """The torch.distributed (NCCL) path on GPUs, forced with Workspace(backend="none") as on a group
 that spans nodes: every output bitwise the peer kernels' (every format, several M; on the peer
 side one algorithm per format, rotating, or every algorithm with DISTNORM_FULL=1: the algorithms
-agree bitwise, test_allreduce_gpu.py::test_batch_invariance); at 4+ ranks (even) also the node chain (ranks_per_node=2); and the
-sequence-parallel ops, by NCCL and by the reducescatter kernel: shards and gathers bitwise
+agree bitwise, test_allreduce_gpu.py::test_batch_invariance); at 4+ ranks (even) also the node
+chain (ranks_per_node=2); and the sequence-parallel ops, by NCCL and by the reducescatter kernel: shards and gathers bitwise
 allreduce_add_rmsnorm's, shard scales equal between the two. Inputs carry +B on the first rank and
 -B on the last (tests/test_rowsplit_cpu.py says why): a sum in another order than the ranks' shows."""
 from __future__ import annotations

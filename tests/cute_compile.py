@@ -30,9 +30,11 @@ print(json.dumps({{"compiled": len(done)}}))
 """
 
 
-def compile_in_subprocess(body: str, arch: str = "sm_90a", timeout: int = 600) -> int:
+def compile_in_subprocess(body: str, arch: str = "sm_90a", timeout: int = 600,
+                          kernel_cache: str = "0") -> int:
     """Run `body` (Python that appends one item to the list `done` per compiled kernel) with
-    CUTE_DSL_ARCH=arch; return how many kernels it compiled, or skip the calling test."""
+    CUTE_DSL_ARCH=arch; return how many kernels it compiled, or skip the calling test.
+    kernel_cache: DISTNORM_KERNEL_CACHE for it ("0", off by default: a compile check must compile)."""
     pytest.importorskip("cutlass")
     if os.environ.get("DISTNORM_COMPILE_TESTS") != "1":
         import torch
@@ -42,7 +44,7 @@ def compile_in_subprocess(body: str, arch: str = "sm_90a", timeout: int = 600) -
                         "DISTNORM_COMPILE_TESTS=1")
     script = _TEMPLATE.format(body=textwrap.indent(textwrap.dedent(body), "    "))
     path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, CUTE_DSL_ARCH=arch, PYTHONPATH=path)
+    env = dict(os.environ, CUTE_DSL_ARCH=arch, PYTHONPATH=path, DISTNORM_KERNEL_CACHE=kernel_cache)
     env.pop("DISTNORM_KEEP_PTX", None)
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                        timeout=timeout, cwd=ROOT)

@@ -30,10 +30,22 @@ def sym_int(width: int = 32, divisibility: int = 1):
 compile_log = logging.getLogger("distnorm.compile")
 
 
-def compile_tvm_ffi(fn, *args):
-    """cute.compile with the TVM-FFI calling convention (~3.5 us per call instead of ~40 us)."""
-    start = time.perf_counter()
-    compiled = cute.compile(fn, *args, options="--enable-tvm-ffi" + (" --keep-ptx" if os.environ.get("DISTNORM_KEEP_PTX") else ""))
-    seconds = time.perf_counter() - start
-    compile_log.debug("compiled %s in %.2f s", type(fn).__name__, seconds, extra={"compile_s": seconds})
-    return compiled
+def compile_tvm_ffi(fn, *args, cache_key: tuple | None = None):
+    """cute.compile with the TVM-FFI calling convention (~3.5 us per call instead of ~40 us).
+
+    cache_key: the caller's compile-time key (its arguments, with stable reprs); with it the kernel
+    is loaded from / stored to the on-disk cache (kernels/disk_cache.py)."""
+    keep_ptx = bool(os.environ.get("DISTNORM_KEEP_PTX"))
+
+    def build():
+        start = time.perf_counter()
+        compiled = cute.compile(fn, *args, options="--enable-tvm-ffi" + (" --keep-ptx" if keep_ptx else ""))
+        seconds = time.perf_counter() - start
+        compile_log.debug("compiled %s in %.2f s", type(fn).__name__, seconds, extra={"compile_s": seconds})
+        return compiled
+
+    if cache_key is None or keep_ptx:  # --keep-ptx wants the compile to happen
+        return build()
+    from distnorm.kernels.disk_cache import compile_cached
+
+    return compile_cached(type(fn).__name__, cache_key, build)

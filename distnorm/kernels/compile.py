@@ -97,4 +97,6 @@ def compiled_fused_norm(dtype: str, hidden: int, quant: QuantSpec, has_residual:
     kernel = FusedAddRMSNormQuant(tiling, quant, has_residual, gemma, write_y, pdl)
     args = fake_norm_quant_args(cdtype, hidden, quant, has_residual, write_y, compat.sym_int(32))
     stream = compat.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return compat.compile_tvm_ffi(kernel, *args, Float32(1e-6), stream)
+    return compat.compile_tvm_ffi(kernel, *args, Float32(1e-6), stream,
+                                  cache_key=(dtype, hidden, quant, has_residual, gemma, write_y,
+                                             cluster_n, pdl))

@@ -67,4 +67,6 @@ def compiled_allreduce(algo: str, world: int, dtype: str, hidden: int, quant: Qu
     err = compat.make_fake_tensor(cutlass.Int32, (4,), (1,), assumed_align=16)
     stream = compat.make_fake_stream(use_tvm_ffi_env_stream=True)
     return compat.compile_tvm_ffi(kernel, x, res, res_out, w, y, q, s, scale, gs, ar, bufp, sigp,
-                                  err, Int32(0), Int32(1), Float32(1e-6), Int64(1), stream)
+                                  err, Int32(0), Int32(1), Float32(1e-6), Int64(1), stream,
+                                  cache_key=(algo, world, dtype, hidden, quant, has_residual, gemma,
+                                             write_y, write_allreduce, pdl, rows_per_cta))

@@ -1,0 +1,67 @@
+"""The on-disk kernel cache (distnorm/kernels/disk_cache.py): keys, and a second process loading
+what the first compiled (CPU: CuTe DSL 4.8+ compiles without a GPU; on a GPU machine the GPU tests
+run the loaded kernels)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cute_compile import compile_in_subprocess
+
+
+def test_cache_dir_from_the_environment(monkeypatch, tmp_path):
+    from distnorm.kernels import disk_cache
+
+    monkeypatch.setenv(disk_cache.CACHE_ENV, "0")
+    assert disk_cache.cache_dir() is None
+    monkeypatch.setenv(disk_cache.CACHE_ENV, str(tmp_path))
+    assert disk_cache.cache_dir() == tmp_path
+    monkeypatch.delenv(disk_cache.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert disk_cache.cache_dir() == tmp_path / "distnorm" / "kernels"
+
+
+def test_a_kernel_is_named_by_its_key_sources_and_toolchain(monkeypatch):
+    pytest.importorskip("cutlass")
+    from distnorm import formats
+    from distnorm.kernels import disk_cache
+
+    spec = formats.make_quant_spec("nvfp4")
+    a = disk_cache.kernel_digest("K", ("bfloat16", 4096, spec, True))
+    assert a == disk_cache.kernel_digest("K", ("bfloat16", 4096, formats.make_quant_spec("nvfp4"), True))
+    assert a != disk_cache.kernel_digest("K", ("bfloat16", 4096, spec, False))
+    assert a != disk_cache.kernel_digest("L", ("bfloat16", 4096, spec, True))
+    monkeypatch.setattr(disk_cache, "source_digest", lambda: "edited")
+    assert a != disk_cache.kernel_digest("K", ("bfloat16", 4096, spec, True))
+
+
+_COMPILE_TWO = """
+import logging
+from distnorm import formats
+from distnorm.kernels.compile import compiled_fused_norm
+
+class Count(logging.Handler):
+    def emit(self, record):
+        if hasattr(record, "compile_s"):  # one per kernel compiled (not the cache's warnings)
+            done.append(record.getMessage())
+log = logging.getLogger("distnorm.compile")
+log.addHandler(Count())
+log.setLevel(logging.DEBUG)
+log.propagate = False
+for quant in ("fp8_per_token", "nvfp4"):
+    f = compiled_fused_norm("bfloat16", 4096, formats.make_quant_spec(quant), True, False, True)
+    assert callable(f)
+"""
+
+
+def test_a_second_process_loads_what_the_first_compiled(tmp_path):
+    cache = str(tmp_path / "kernels")
+    assert compile_in_subprocess(_COMPILE_TWO, kernel_cache=cache) == 2  # compiled and stored
+    files = sorted(os.listdir(cache))
+    assert len(files) == 2 and all(f.startswith("FusedAddRMSNormQuant-") for f in files)
+    assert compile_in_subprocess(_COMPILE_TWO, kernel_cache=cache) == 0  # loaded, none compiled
+    with open(os.path.join(cache, files[0]), "wb") as f:
+        f.write(b"damaged")
+    assert compile_in_subprocess(_COMPILE_TWO, kernel_cache=cache) == 1  # compiled again, replaced
+    assert compile_in_subprocess(_COMPILE_TWO, kernel_cache=cache) == 0

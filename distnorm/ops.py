@@ -61,6 +61,16 @@ def _cluster_size(H: int, rows_bucket: int, spec: Optional[QuantSpec]) -> int:
     return max(n for n in cluster_sizes(H) if n <= want)
 
 
+def fused_kernel_key(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_residual: bool,
+                     gemma: bool, write_y: bool, M: int) -> tuple:
+    """compiled_fused_norm's arguments (the compile-time key) for a call of M rows: what
+    distnorm.kernels.precompile compiles ahead of the calls."""
+    from .collectives.plan import pdl_from_env
+
+    return (DTYPE_NAMES[dtype], H, kernel_spec(spec), has_residual, gemma, write_y,
+            _cluster_size(H, _rows_bucket(M), spec), pdl_from_env())
+
+
 @functools.cache
 def _fused_kernel(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_residual: bool,
                   gemma: bool, write_y: bool, rows_bucket: int):
@@ -68,11 +78,10 @@ def _fused_kernel(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_res
     compiled_fused_norm so that an eager call pays one dictionary lookup (host time).
     Programmatic dependent launch (DISTNORM_PDL, read when the key is first compiled) is on by default:
     with a PDL-aware predecessor the launch overlaps its tail (at M = 1 most of the kernel's time)."""
-    from .collectives.plan import pdl_from_env
     from .kernels.compile import compiled_fused_norm
 
-    return compiled_fused_norm(DTYPE_NAMES[dtype], H, kernel_spec(spec), has_residual, gemma,
-                               write_y, _cluster_size(H, rows_bucket, spec), pdl_from_env())
+    rows = {0: 1, 1: FEW_ROWS, 2: FEW_ROWS + 1}[rows_bucket]  # a row count of the bucket
+    return compiled_fused_norm(*fused_kernel_key(dtype, H, spec, has_residual, gemma, write_y, rows))
 
 
 def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,

@@ -65,3 +65,33 @@ def test_a_second_process_loads_what_the_first_compiled(tmp_path):
         f.write(b"damaged")
     assert compile_in_subprocess(_COMPILE_TWO, kernel_cache=cache) == 1  # compiled again, replaced
     assert compile_in_subprocess(_COMPILE_TWO, kernel_cache=cache) == 0
+
+
+_PRECOMPILE = """
+import logging
+import torch
+from distnorm import formats
+from distnorm.kernels.compile import compiled_fused_norm
+from distnorm.kernels.precompile import precompile_fused_norm
+from distnorm.ops import fused_kernel_key
+
+class Count(logging.Handler):
+    def emit(self, record):
+        if hasattr(record, "compile_s"):
+            done.append(record.getMessage())
+log = logging.getLogger("distnorm.compile")
+log.addHandler(Count())
+log.setLevel(logging.DEBUG)
+log.propagate = False
+keys = [fused_kernel_key(torch.bfloat16, 4096, formats.make_quant_spec(q), True, False, True, 1)
+        for q in ("fp8_per_token", "nvfp4")]
+assert precompile_fused_norm(keys + keys, workers=2) == 2  # each key once, in the workers
+assert precompile_fused_norm(keys) == 0  # all cached now
+for key in keys:
+    compiled_fused_norm(*key)  # loaded: this process compiles nothing
+"""
+
+
+def test_precompile_in_workers_then_load(tmp_path):
+    assert compile_in_subprocess(_PRECOMPILE, kernel_cache=str(tmp_path / "k")) == 0
+    assert len(os.listdir(tmp_path / "k")) == 2

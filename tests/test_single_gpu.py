@@ -199,6 +199,26 @@ def test_batch_invariance(label):
                 assert_same_bytes(got, first, f"{variant} {dtype} H={H}: M={M} vs M=1")
 
 
+def kernel_keys(test: str, params: dict) -> list[tuple]:
+    """The compiled_fused_norm keys a case of test_fused_norm / test_batch_invariance compiles:
+    tests/conftest.py compiles them ahead, in parallel, into the kernel cache."""
+    from distnorm.ops import fused_kernel_key
+
+    def key(variant, dtype, H, M):
+        gemma = VARIANTS[variant][1].get("gemma", False)
+        return fused_kernel_key(DTYPES[dtype], H, variant_spec(variant), True, gemma, True, M)
+
+    if test == "test_fused_norm":
+        variant, H, M = params["variant"], params["H"], params["M"]
+        if M == 0 or H % formats.hidden_multiple(formats.make_quant_spec(VARIANTS[variant][0])):
+            return []
+        return [key(variant, params["dtype"], H, M)]
+    if test == "test_batch_invariance":
+        return [key(v, d, h, M) for v, d, h in INVARIANCE_CASES[params["label"]]
+                for M, _ in BATCHES + ((60, 17),)]
+    return []
+
+
 @pytest.mark.parametrize("variant", ["none", "fp8_per_token", "nvfp4_swizzled"])
 def test_no_residual_strided_in_place(variant):
     run_and_check(variant, torch.bfloat16, 300, 4096, residual=False, row_pad=64)

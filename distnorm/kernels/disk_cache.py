@@ -122,18 +122,25 @@ def _store(compiled: Any, path: Path, symbol: str) -> None:
         os.replace(out, path)
 
 
+def kernel_path(kind: str, key: tuple) -> Optional[Path]:
+    """Where the kernel (kind, key) is kept, or None with the cache off."""
+    directory = cache_dir()
+    if directory is None:
+        return None
+    suffix = ".o" if _loads_object_files() else ".so"
+    return directory / f"{kind}-{kernel_digest(kind, key)}{suffix}"
+
+
 def compile_cached(kind: str, key: tuple, build: Callable[[], Any]) -> Any:
     """The kernel ``build()`` compiles, loaded from the cache when an earlier process stored it.
 
     kind, key: what the kernel's code depends on besides distnorm's sources and the toolchain (the
     compile-time arguments); their ``repr`` must be stable across processes.
     """
-    directory = cache_dir()
-    if directory is None:
+    path = kernel_path(kind, key)
+    if path is None:
         return build()
-    digest = kernel_digest(kind, key)
-    symbol = f"distnorm_{digest[:24]}"
-    path = directory / f"{kind}-{digest}{'.o' if _loads_object_files() else '.so'}"
+    symbol = f"distnorm_{kernel_digest(kind, key)[:24]}"
     if path.exists():
         try:
             return _load(path, symbol)

@@ -95,3 +95,13 @@ for key in keys:
 def test_precompile_in_workers_then_load(tmp_path):
     assert compile_in_subprocess(_PRECOMPILE, kernel_cache=str(tmp_path / "k")) == 0
     assert len(os.listdir(tmp_path / "k")) == 2
+
+
+def test_shared_library_path_of_older_dsls(tmp_path):
+    """CuTe DSL 4.3.5 loads shared libraries only: the exported object is linked to one (with the
+    DSL runtime's directory as rpath). Exercised here with the newer DSL's export."""
+    body = "from distnorm.kernels import disk_cache\ndisk_cache._loads_object_files = lambda: False\n"
+    cache = tmp_path / "k"
+    assert compile_in_subprocess(body + _COMPILE_TWO, kernel_cache=str(cache)) == 2
+    assert all(f.endswith(".so") for f in os.listdir(cache)) and len(os.listdir(cache)) == 2
+    assert compile_in_subprocess(body + _COMPILE_TWO, kernel_cache=str(cache)) == 0

@@ -116,8 +116,10 @@ def _store(compiled: Any, path: Path, symbol: str) -> None:
         out = obj
         if path.suffix == ".so":
             out = os.path.join(tmp, "kernel.so")
+            libs = _runtime_libraries()  # with their directories as rpath: found without cutlass
+            rpaths = [f"-Wl,-rpath,{d}" for d in dict.fromkeys(os.path.dirname(p) for p in libs)]
             cc = os.environ.get("CC", "cc")
-            subprocess.run([cc, "-shared", "-o", out, obj, *_runtime_libraries()], check=True,
+            subprocess.run([cc, "-shared", "-o", out, obj, *libs, *rpaths], check=True,
                            capture_output=True, timeout=120)
         os.replace(out, path)
 

@@ -143,31 +143,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """On a GPU machine, compile the selected tests' single-GPU kernels first, in worker processes
-    (tests that define kernel_keys(test, params)), into the kernel cache: compiling one at a time
-    was half of the suite's time. DISTNORM_KERNEL_CACHE=0 turns it off with the cache."""
+    """On a GPU machine, compile the selected tests' kernels first, in worker processes, into the
+    kernel cache (tests/precompile_keys.py: compiling one at a time was half of the suite's time).
+    DISTNORM_KERNEL_CACHE=0 turns it off with the cache."""
     import torch
 
     if not torch.cuda.is_available() or os.environ.get("DISTNORM_KERNEL_CACHE") == "0":
         return
-    keys = []
-    for item in session.items:
-        kernel_keys = getattr(getattr(item, "module", None), "kernel_keys", None)
-        callspec = getattr(item, "callspec", None)
-        if kernel_keys is not None and callspec is not None:
-            keys += kernel_keys(item.originalname, callspec.params)
-    if not keys:
-        return
-    import time
+    from precompile_keys import precompile_for
 
-    from distnorm.kernels.precompile import precompile_fused_norm
-
-    start = time.perf_counter()
-    compiled = precompile_fused_norm(keys)
+    line = precompile_for(session.items, detect_launch_env())
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None and compiled:
-        reporter.write_line(f"distnorm: compiled {compiled} kernels ahead in "
-                            f"{time.perf_counter() - start:.1f} s (worker processes, kernel cache)")
+    if reporter is not None and line:
+        reporter.write_line(line)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

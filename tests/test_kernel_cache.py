@@ -72,7 +72,7 @@ import logging
 import torch
 from distnorm import formats
 from distnorm.kernels.compile import compiled_fused_norm
-from distnorm.kernels.precompile import precompile_fused_norm
+from distnorm.kernels.precompile import precompile
 from distnorm.ops import fused_kernel_key
 
 class Count(logging.Handler):
@@ -83,18 +83,24 @@ log = logging.getLogger("distnorm.compile")
 log.addHandler(Count())
 log.setLevel(logging.DEBUG)
 log.propagate = False
-keys = [fused_kernel_key(torch.bfloat16, 4096, formats.make_quant_spec(q), True, False, True, 1)
-        for q in ("fp8_per_token", "nvfp4")]
-assert precompile_fused_norm(keys + keys, workers=2) == 2  # each key once, in the workers
-assert precompile_fused_norm(keys) == 0  # all cached now
-for key in keys:
-    compiled_fused_norm(*key)  # loaded: this process compiles nothing
+from distnorm.collectives.dispatch import allreduce_kernel_key
+from distnorm.kernels.compile_allreduce import compiled_allreduce
+keys = [("fused_norm", *fused_kernel_key(torch.bfloat16, 4096, formats.make_quant_spec(q), True,
+                                         False, True, 1)) for q in ("fp8_per_token", "nvfp4")]
+keys.append(("allreduce", *allreduce_kernel_key("oneshot", 2, torch.bfloat16, 4096,
+                                                formats.make_quant_spec("fp8"), True, False,
+                                                True, False)))
+assert precompile(keys + keys, workers=2) == 3  # each key once, in the workers
+assert precompile(keys) == 0  # all cached now
+for key in keys[:2]:
+    compiled_fused_norm(*key[1:])  # loaded: this process compiles nothing
+compiled_allreduce(*keys[2][1:])
 """
 
 
 def test_precompile_in_workers_then_load(tmp_path):
     assert compile_in_subprocess(_PRECOMPILE, kernel_cache=str(tmp_path / "k")) == 0
-    assert len(os.listdir(tmp_path / "k")) == 2
+    assert len(os.listdir(tmp_path / "k")) == 3
 
 
 def test_shared_library_path_of_older_dsls(tmp_path):
@@ -105,3 +111,23 @@ def test_shared_library_path_of_older_dsls(tmp_path):
     assert compile_in_subprocess(body + _COMPILE_TWO, kernel_cache=str(cache)) == 2
     assert all(f.endswith(".so") for f in os.listdir(cache)) and len(os.listdir(cache)) == 2
     assert compile_in_subprocess(body + _COMPILE_TWO, kernel_cache=str(cache)) == 0
+
+
+def test_the_suite_finds_per_process_and_multi_gpu_kernel_keys():
+    from types import SimpleNamespace
+
+    from precompile_keys import keys_of
+
+    def kernel_keys(test, params):
+        return [("k", test, params.get("H"))]
+
+    module = SimpleNamespace(kernel_keys=kernel_keys)
+
+    def item(name, multigpu, **params):
+        return SimpleNamespace(module=module, originalname=name,
+                               callspec=SimpleNamespace(params=params) if params else None,
+                               get_closest_marker=lambda m: multigpu if m == "multigpu" else None)
+
+    items = [item("a", False, H=1), item("b", True), item("c", True, H=2),
+             SimpleNamespace(module=None, originalname="d")]
+    assert keys_of(items) == ([("k", "a", 1)], [("k", "b", None), ("k", "c", 2)])

@@ -200,13 +200,14 @@ def test_batch_invariance(label):
 
 
 def kernel_keys(test: str, params: dict) -> list[tuple]:
-    """The compiled_fused_norm keys a case of test_fused_norm / test_batch_invariance compiles:
-    tests/conftest.py compiles them ahead, in parallel, into the kernel cache."""
+    """The kernels (distnorm.kernels.precompile keys) a case of test_fused_norm /
+    test_batch_invariance compiles: tests/conftest.py compiles them ahead, in parallel."""
     from distnorm.ops import fused_kernel_key
 
     def key(variant, dtype, H, M):
         gemma = VARIANTS[variant][1].get("gemma", False)
-        return fused_kernel_key(DTYPES[dtype], H, variant_spec(variant), True, gemma, True, M)
+        return ("fused_norm",
+                *fused_kernel_key(DTYPES[dtype], H, variant_spec(variant), True, gemma, True, M))
 
     if test == "test_fused_norm":
         variant, H, M = params["variant"], params["H"], params["M"]

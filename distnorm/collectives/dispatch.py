@@ -15,7 +15,7 @@ from torch import Tensor
 
 from distnorm.args import DTYPE_NAMES, check_rows_aligned
 from distnorm.collectives.faults import after_launch, raise_if_failed
-from distnorm.collectives.plan import plan_launch
+from distnorm.collectives.plan import Tuning, plan_launch
 from distnorm.collectives.state import state_of
 from distnorm.formats import QuantSpec, kernel_spec
 
@@ -38,6 +38,16 @@ def _scale_rows(spec: Optional[QuantSpec], scales: Optional[Tensor], a: int, b: 
     return scales[a:b]  # column-major per-group scales keep their column stride
 
 
+def allreduce_kernel_key(algo: str, world: int, dtype: torch.dtype, H: int,
+                         spec: Optional[QuantSpec], has_residual: bool, gemma: bool, write_y: bool,
+                         write_allreduce: bool, tuning: Optional[Tuning] = None) -> tuple:
+    """compiled_allreduce's arguments (the compile-time key) for a launch of `algo` (a concrete
+    algorithm, after plan_launch): what distnorm.kernels.precompile compiles ahead of the calls."""
+    tuning = Tuning.from_env() if tuning is None else tuning
+    return (algo, world, DTYPE_NAMES[dtype], H, kernel_spec(spec), has_residual, gemma, write_y,
+            write_allreduce, tuning.pdl, tuning.rows_per_cta.get(algo, 0))
+
+
 def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
                q_out, scales_out, ar_out, ws, algo: str) -> None:
     """The all-reduce kernels over `ws`'s peer mappings, in launches that fit its data buffer."""
@@ -53,10 +63,10 @@ def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, resid
     plain = residual_out is None and y_out is None and q_out is None
     algo, step = plan_launch(algo, ws.world_size, M, H, x.element_size(), ws.buffer_bytes,
                              kspec.swizzled, gather_acc, plain)
-    rows_per_cta = tuning.rows_per_cta.get(algo, 0)
-    kernel = compiled_allreduce(algo, ws.world_size, DTYPE_NAMES[x.dtype], H, kspec,
-                                residual is not None, gemma, y_out is not None, ar_out is not None,
-                                tuning.pdl, rows_per_cta)
+    key = allreduce_kernel_key(algo, ws.world_size, x.dtype, H, kspec, residual is not None, gemma,
+                               y_out is not None, ar_out is not None, tuning)
+    rows_per_cta = key[-1]
+    kernel = compiled_allreduce(*key)
     state.check_signal_pad(ws)
     raise_if_failed(ws)  # pinned words: cheap; a failed workspace launches nothing until reset
     ptrs = state.lamport_table(ws) if algo == "lamport" else ws.buffer_ptrs

@@ -1,35 +1,59 @@
-"""Compile many single-GPU kernels at once, in worker processes, into the on-disk kernel cache.
+"""Compile many kernels at once, in worker processes, into the on-disk kernel cache.
 
 Compiling is single-threaded (CuTe DSL keeps its MLIR context per thread: compiling from threads
 fails), about a second per kernel; N worker processes compile N at a time, and the calling process
 then loads each kernel from the cache (kernels/disk_cache.py) in milliseconds. For an inference
 server that knows its shapes at start-up, and for the test suite, which knows its grid.
+
+A key names its kernel: ("fused_norm", *compiled_fused_norm's arguments) from
+``distnorm.ops.fused_kernel_key``, or ("allreduce", *compiled_allreduce's arguments) from
+``distnorm.collectives.dispatch.allreduce_kernel_key``.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 from distnorm.kernels import disk_cache
 
-KIND = "FusedAddRMSNormQuant"  # compile_tvm_ffi's cache kind for compiled_fused_norm
+# the cache kind compile_tvm_ffi files each kernel under (its kernel class's name)
+_KINDS = {"fused_norm": "FusedAddRMSNormQuant", "allreduce": "AllReduceAddRMSNormQuant"}
+
+
+def _builder(family: str):
+    if family == "fused_norm":
+        from distnorm.kernels.compile import compiled_fused_norm
+        return compiled_fused_norm
+    if family == "allreduce":
+        from distnorm.kernels.compile_allreduce import compiled_allreduce
+        return compiled_allreduce
+    raise ValueError(f"unknown kernel family {family!r}; expected one of {sorted(_KINDS)}")
 
 
 def _compile(key: tuple) -> None:
-    from distnorm.kernels.compile import compiled_fused_norm
-
-    compiled_fused_norm(*key)
+    _builder(key[0])(*key[1:])
 
 
-def precompile_fused_norm(keys: Iterable[tuple], workers: int | None = None) -> int:
-    """Compile the kernels of ``keys`` (compiled_fused_norm's arguments, e.g. from
-    ``distnorm.ops.fused_kernel_key``) that the cache lacks, ``workers`` at a time (default: half
-    the CPUs, at most 8). Returns how many it compiled; 0 with the cache off (nothing to keep them)."""
+def cached_path(key: tuple) -> Path:
+    """Where the cache keeps the kernel of ``key`` (the cache must be on)."""
+    if key[0] not in _KINDS:
+        raise ValueError(f"unknown kernel family {key[0]!r}; expected one of {sorted(_KINDS)}")
+    path = disk_cache.kernel_path(_KINDS[key[0]], tuple(key[1:]))
+    if path is None:
+        raise RuntimeError("the kernel cache is off (DISTNORM_KERNEL_CACHE=0)")
+    return path
+
+
+def precompile(keys: Iterable[tuple], workers: int | None = None) -> int:
+    """Compile the kernels of ``keys`` that the cache lacks, ``workers`` at a time (default: half
+    the CPUs, at most 8). Returns how many it compiled; 0 with the cache off (nothing keeps them)."""
     if disk_cache.cache_dir() is None:
         return 0
-    missing = [key for key in dict.fromkeys(keys) if not disk_cache.kernel_path(KIND, key).exists()]
+    missing = [key for key in dict.fromkeys(keys) if not cached_path(key).exists()]
     if not missing:
         return 0
     if workers is None:
@@ -39,3 +63,14 @@ def precompile_fused_norm(keys: Iterable[tuple], workers: int | None = None) -> 
         for _ in pool.map(_compile, missing):
             pass
     return len(missing)
+
+
+def wait_for(keys: Sequence[tuple], timeout_s: float) -> bool:
+    """Wait until every key's kernel is in the cache (other processes compiling them); False on
+    timeout (the callers then compile what is missing themselves)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(cached_path(key).exists() for key in keys):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True

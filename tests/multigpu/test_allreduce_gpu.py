@@ -505,6 +505,43 @@ def _body_batch_invariance() -> None:
         ws.barrier()
 
 
+def kernel_keys(test: str, params: dict) -> list[tuple]:
+    """The kernels (distnorm.kernels.precompile keys) of the grid and batch-invariance tests:
+    tests/conftest.py compiles them ahead, in parallel."""
+    from distnorm.collectives.dispatch import allreduce_kernel_key
+    from distnorm.launch.spawn import launch_world_size
+    from distnorm.ops import fused_kernel_key
+
+    from distnorm import formats
+
+    world = launch_world_size()
+    if world < 2:
+        return []
+    bf16 = torch.bfloat16
+
+    def spec_of(qname):  # _kwargs's spec, without its CUDA tensors
+        quant, opts = QUANTS[qname]
+        return formats.make_quant_spec(quant, **opts)
+
+    def fused(algo, H, spec):
+        return ("allreduce", *allreduce_kernel_key(algo, world, bf16, H, spec, True, False, True,
+                                                   True))
+    if test == "test_allreduce_add_rmsnorm_grid":
+        algo = params["algo"]
+        keys = [("allreduce", *allreduce_kernel_key(algo, world, bf16, H, None, False, False,
+                                                    False, True)) for H in HIDDEN_OF[algo]]
+        return keys + [fused(algo, H, spec_of(q)) for H in HIDDEN_OF[algo] for q in QUANTS]
+    if test == "test_batch_invariance":
+        keys = []
+        for H in (7168, 16384):
+            for q in QUANTS:
+                spec = spec_of(q)
+                keys += [fused(algo, H, spec) for algo in ALGOS]
+                keys.append(("fused_norm", *fused_kernel_key(bf16, H, spec, False, False, True, 1)))
+        return keys
+    return []
+
+
 # --- tests ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("algo", ALGOS)
 def test_allreduce_add_rmsnorm_grid(algo):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 #: How long a rank waits for the others' share of the multi-GPU tests' kernels.
-WAIT_S = 900.0
+WAIT_S = 600.0
 
 
 def keys_of(items) -> tuple[list, list]:

@@ -131,3 +131,22 @@ def test_the_suite_finds_per_process_and_multi_gpu_kernel_keys():
     items = [item("a", False, H=1), item("b", True), item("c", True, H=2),
              SimpleNamespace(module=None, originalname="d")]
     assert keys_of(items) == ([("k", "a", 1)], [("k", "b", None), ("k", "c", 2)])
+
+
+_PRECOMPILE_A_BAD_KEY = """
+import torch
+from distnorm import formats
+from distnorm.kernels import precompile as pc
+from distnorm.ops import fused_kernel_key
+
+bad = ("fused_norm", *fused_kernel_key(torch.bfloat16, 4096, formats.make_quant_spec("fp8"), True,
+                                       False, True, 1))
+bad = bad[:2] + (4100,) + bad[3:]  # H = 4100: not a multiple of 8, does not compile
+assert pc.precompile([bad], workers=1) == 0
+assert pc.wait_for([bad], 5.0)  # settled: its failure marker is there
+"""
+
+
+def test_a_kernel_that_fails_to_compile_does_not_stall_the_others(tmp_path):
+    assert compile_in_subprocess(_PRECOMPILE_A_BAD_KEY, kernel_cache=str(tmp_path / "k")) == 0
+    assert [f for f in os.listdir(tmp_path / "k") if f.endswith(".failed")]

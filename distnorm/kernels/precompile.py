@@ -34,8 +34,22 @@ def _builder(family: str):
     raise ValueError(f"unknown kernel family {family!r}; expected one of {sorted(_KINDS)}")
 
 
-def _compile(key: tuple) -> None:
-    _builder(key[0])(*key[1:])
+def _failed_marker(path: Path) -> Path:
+    return path.with_name(path.name + ".failed")
+
+
+def _compile(key: tuple) -> bool:
+    """Compile one kernel into the cache. A kernel that fails to compile leaves a marker (so the
+    processes waiting for it stop waiting) and is compiled again, failing loudly, where it is used."""
+    path = cached_path(key)
+    try:
+        _builder(key[0])(*key[1:])
+    except Exception as e:  # noqa: BLE001 - reported where the kernel is used
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _failed_marker(path).write_text(f"{type(e).__name__}: {e}\n")
+        return False
+    _failed_marker(path).unlink(missing_ok=True)
+    return True
 
 
 def cached_path(key: tuple) -> Path:
@@ -50,7 +64,8 @@ def cached_path(key: tuple) -> Path:
 
 def precompile(keys: Iterable[tuple], workers: int | None = None) -> int:
     """Compile the kernels of ``keys`` that the cache lacks, ``workers`` at a time (default: half
-    the CPUs, at most 8). Returns how many it compiled; 0 with the cache off (nothing keeps them)."""
+    the CPUs, at most 8). Returns how many it compiled (a kernel that fails is left to the call
+    that uses it); 0 with the cache off (nothing keeps them)."""
     if disk_cache.cache_dir() is None:
         return 0
     missing = [key for key in dict.fromkeys(keys) if not cached_path(key).exists()]
@@ -60,16 +75,19 @@ def precompile(keys: Iterable[tuple], workers: int | None = None) -> int:
         workers = min(8, max(1, (os.cpu_count() or 2) // 2))
     workers = max(1, min(workers, len(missing)))
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        for _ in pool.map(_compile, missing):
-            pass
-    return len(missing)
+        return sum(pool.map(_compile, missing))
 
 
 def wait_for(keys: Sequence[tuple], timeout_s: float) -> bool:
-    """Wait until every key's kernel is in the cache (other processes compiling them); False on
-    timeout (the callers then compile what is missing themselves)."""
+    """Wait until every key's kernel is in the cache or failed to compile (other processes
+    compiling them); False on timeout (the callers then compile what is missing themselves)."""
     deadline = time.monotonic() + timeout_s
-    while not all(cached_path(key).exists() for key in keys):
+
+    def settled(key: tuple) -> bool:
+        path = cached_path(key)
+        return path.exists() or _failed_marker(path).exists()
+
+    while not all(settled(key) for key in keys):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.2)

@@ -36,6 +36,26 @@ def test_a_kernel_is_named_by_its_key_sources_and_toolchain(monkeypatch):
     assert a != disk_cache.kernel_digest("K", ("bfloat16", 4096, spec, True))
 
 
+def test_every_argument_of_a_kernel_builder_names_its_kernel(monkeypatch):
+    """compat.compiled_kernel files a kernel under all of its builder's arguments, defaults
+    included: a parameter added to a builder cannot be left out of the disk cache's name."""
+    pytest.importorskip("cutlass")
+    from distnorm.kernels import compat
+
+    seen = []
+    monkeypatch.setattr(compat, "compile_tvm_ffi", lambda kernel, *args, cache_key: seen.append(cache_key))
+
+    @compat.compiled_kernel
+    def build(dtype: str, hidden: int, split: int = 1):
+        return object(), ()
+
+    build("bfloat16", 4096)
+    build("bfloat16", 4096, split=4)
+    build("bfloat16", 4096, 1)  # another call form of the first key: memoized apart, same name
+    assert seen == [("bfloat16", 4096, 1), ("bfloat16", 4096, 4), ("bfloat16", 4096, 1)]
+    assert build.cache_key("bfloat16", 4096) == ("bfloat16", 4096, 1)
+
+
 _COMPILE_TWO = """
 import logging
 from distnorm import formats

@@ -6,9 +6,12 @@ kernel module's imports and cannot resolve relative ones.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import time
+from typing import Callable
 
 import cutlass.cute as cute
 
@@ -49,3 +52,26 @@ def compile_tvm_ffi(fn, *args, cache_key: tuple | None = None):
     from distnorm.kernels.disk_cache import compile_cached
 
     return compile_cached(type(fn).__name__, cache_key, build)
+
+
+def compiled_kernel(describe: Callable) -> Callable:
+    """Decorator: `describe(*key)` returns (kernel object, its compile arguments); the decorated
+    function returns the compiled kernel (compile_tvm_ffi), memoized per process and on disk under
+    all of its own arguments, defaults filled in. The whole compile-time key is the argument list,
+    so a parameter added later cannot be left out of the disk cache's file name (a kernel of
+    another configuration would load silently)."""
+    signature = inspect.signature(describe)
+
+    def cache_key(*args, **kwargs) -> tuple:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())
+
+    @functools.cache
+    @functools.wraps(describe)
+    def compiled(*args, **kwargs):
+        kernel, compile_args = describe(*args, **kwargs)
+        return compile_tvm_ffi(kernel, *compile_args, cache_key=cache_key(*args, **kwargs))
+
+    compiled.cache_key = cache_key  # what the disk cache files a call's kernel under (precompile)
+    return compiled

@@ -14,8 +14,6 @@ Tensor conventions at the kernel boundary (the op layer makes these views):
 """
 from __future__ import annotations
 
-import functools
-from typing import Callable
 
 import cutlass
 from cutlass import Float32
@@ -84,10 +82,11 @@ def fake_norm_quant_args(cdtype, hidden: int, quant: QuantSpec, has_residual: bo
     return x, res, res_out, w, y, q, s, scale, gs
 
 
-@functools.cache
+@compat.compiled_kernel
 def compiled_fused_norm(dtype: str, hidden: int, quant: QuantSpec, has_residual: bool, gemma: bool,
-                        write_y: bool, cluster_n: int = 1, pdl: bool = False) -> Callable:
-    """The compiled single-GPU kernel; call as f(x, res, res_out, w, y, q, scales, scale, gs, eps).
+                        write_y: bool, cluster_n: int = 1, pdl: bool = False) -> tuple:
+    """The compiled single-GPU kernel (this describes it; compat.compiled_kernel compiles and caches
+    it); call as f(x, res, res_out, w, y, q, scales, scale, gs, eps).
     pdl: launched as a programmatic dependent launch (kernels/fused_norm.py)."""
     cdtype = CUTE_DTYPES[dtype]
     # ~128-thread CTAs (one row up to H = 4096 is 128 threads): more, smaller CTAs than 256 spread
@@ -97,6 +96,4 @@ def compiled_fused_norm(dtype: str, hidden: int, quant: QuantSpec, has_residual:
     kernel = FusedAddRMSNormQuant(tiling, quant, has_residual, gemma, write_y, pdl)
     args = fake_norm_quant_args(cdtype, hidden, quant, has_residual, write_y, compat.sym_int(32))
     stream = compat.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return compat.compile_tvm_ffi(kernel, *args, Float32(1e-6), stream,
-                                  cache_key=(dtype, hidden, quant, has_residual, gemma, write_y,
-                                             cluster_n, pdl))
+    return kernel, (*args, Float32(1e-6), stream)

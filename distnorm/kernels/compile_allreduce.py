@@ -15,8 +15,6 @@ areas must hold the sentinel (distnorm.collectives.state prepares both).
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Callable
 
 import cutlass
 from cutlass import Float32, Int32, Int64
@@ -45,10 +43,12 @@ def co_resident_ctas_per_sm(tiling: RowTiling) -> int:
     return max(1, 256 // tiling.threads)
 
 
-@functools.cache
+@compat.compiled_kernel
 def compiled_allreduce(algo: str, world: int, dtype: str, hidden: int, quant: QuantSpec,
                        has_residual: bool, gemma: bool, write_y: bool,
-                       write_allreduce: bool, pdl: bool = False, rows_per_cta: int = 0) -> Callable:
+                       write_allreduce: bool, pdl: bool = False, rows_per_cta: int = 0) -> tuple:
+    """The compiled all-reduce kernel of `algo` (this describes it; compat.compiled_kernel compiles
+    and caches it)."""
     cdtype = CUTE_DTYPES[dtype]
     tiling = allreduce_tiling(hidden, quant, rows_per_cta)
     kernel = AllReduceAddRMSNormQuant(algo, world, tiling, quant, has_residual, gemma, write_y,
@@ -66,7 +66,5 @@ def compiled_allreduce(algo: str, world: int, dtype: str, hidden: int, quant: Qu
     sigp = compat.make_fake_tensor(cutlass.Int64, (world,), (1,), assumed_align=8)
     err = compat.make_fake_tensor(cutlass.Int32, (4,), (1,), assumed_align=16)
     stream = compat.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return compat.compile_tvm_ffi(kernel, x, res, res_out, w, y, q, s, scale, gs, ar, bufp, sigp,
-                                  err, Int32(0), Int32(1), Float32(1e-6), Int64(1), stream,
-                                  cache_key=(algo, world, dtype, hidden, quant, has_residual, gemma,
-                                             write_y, write_allreduce, pdl, rows_per_cta))
+    return kernel, (x, res, res_out, w, y, q, s, scale, gs, ar, bufp, sigp, err, Int32(0), Int32(1),
+                    Float32(1e-6), Int64(1), stream)

@@ -56,7 +56,7 @@ def cached_path(key: tuple) -> Path:
     """Where the cache keeps the kernel of ``key`` (the cache must be on)."""
     if key[0] not in _KINDS:
         raise ValueError(f"unknown kernel family {key[0]!r}; expected one of {sorted(_KINDS)}")
-    path = disk_cache.kernel_path(_KINDS[key[0]], tuple(key[1:]))
+    path = disk_cache.kernel_path(_KINDS[key[0]], _builder(key[0]).cache_key(*key[1:]))
     if path is None:
         raise RuntimeError("the kernel cache is off (DISTNORM_KERNEL_CACHE=0)")
     return path

@@ -62,18 +62,47 @@ def _cluster_size(H: int, rows_bucket: int, spec: Optional[QuantSpec]) -> int:
 
 
 def fused_kernel_key(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_residual: bool,
-                     gemma: bool, write_y: bool, M: int) -> tuple:
+                     gemma: bool, write_y: bool, M: int, in_place: bool = False) -> tuple:
     """compiled_fused_norm's arguments (the compile-time key) for a call of M rows: what
-    distnorm.kernels.precompile compiles ahead of the calls."""
+    distnorm.kernels.precompile compiles ahead of the calls. in_place: an output starts where an
+    input does (vLLM's in-place form; rows are then never split)."""
     from .collectives.plan import pdl_from_env
 
+    bucket = _rows_bucket(M)
     return (DTYPE_NAMES[dtype], H, kernel_spec(spec), has_residual, gemma, write_y,
-            _cluster_size(H, _rows_bucket(M), spec), pdl_from_env())
+            _cluster_size(H, bucket, spec), pdl_from_env(),
+            1 if in_place else _split_rows(H, bucket, spec))
+
+
+@functools.cache
+def _split_rows(H: int, rows_bucket: int, spec: Optional[QuantSpec]) -> int:
+    """CTAs per row (NOTE [split rows] in kernels/fused_norm.py) for calls whose outputs share no
+    storage with their inputs. Measured on H200 (benchmarks/results/rejected_single_gpu_ab_h200.md,
+    section 5: M = 1, 16, 48; S = 1, 2, 4): at decode up to H = 8192, 4 for every format but static
+    FP8 (2); from H = 16384 a row already spans a 4-CTA cluster and splitting it loses at 16-48 rows.
+    DISTNORM_EXP_SPLIT overrides it at decode (an experiment knob of this branch)."""
+    import os
+    if rows_bucket != 0:
+        return 1
+    if "DISTNORM_EXP_SPLIT" in os.environ:
+        return int(os.environ["DISTNORM_EXP_SPLIT"])
+    if H >= 16384:
+        return 1
+    return 2 if spec is not None and spec.info.scales == "static" else 4
+
+
+def _writes_where_it_reads(inputs, outputs) -> bool:
+    """Whether an output starts where an input does (vLLM's in-place form writes y over x and the
+    new residual over residual): a split row must not overwrite a row that another part of it may
+    still be loading (NOTE [split rows] in kernels/fused_norm.py). Any other overlap of an output
+    with an input is already a race between rows, split or not."""
+    read = [t.data_ptr() for t in inputs if t is not None]
+    return any(t is not None and t.data_ptr() in read for t in outputs)
 
 
 @functools.cache
 def _fused_kernel(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_residual: bool,
-                  gemma: bool, write_y: bool, rows_bucket: int):
+                  gemma: bool, write_y: bool, rows_bucket: int, in_place: bool):
     """The compiled kernel for one call's compile-time key; cached here as well as in
     compiled_fused_norm so that an eager call pays one dictionary lookup (host time).
     Programmatic dependent launch (DISTNORM_PDL, read when the key is first compiled) is on by default:
@@ -81,7 +110,8 @@ def _fused_kernel(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_res
     from .kernels.compile import compiled_fused_norm
 
     rows = {0: 1, 1: FEW_ROWS, 2: FEW_ROWS + 1}[rows_bucket]  # a row count of the bucket
-    return compiled_fused_norm(*fused_kernel_key(dtype, H, spec, has_residual, gemma, write_y, rows))
+    return compiled_fused_norm(*fused_kernel_key(dtype, H, spec, has_residual, gemma, write_y, rows,
+                                                 in_place))
 
 
 def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,
@@ -89,8 +119,11 @@ def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, g
     M, H = x.shape
     if M == 0:
         return
+    bucket = _rows_bucket(M)
+    in_place = (_split_rows(H, bucket, spec) > 1
+                and _writes_where_it_reads((x, residual), (residual_out, y_out, q_out)))
     kernel = _fused_kernel(x.dtype, H, spec, residual is not None, gemma, y_out is not None,
-                           _rows_bucket(M))
+                           bucket, in_place)
     kernel(x, residual, residual_out, weight, y_out, q_out, scales_out, scale, global_scale,
            float(eps))
 

@@ -104,3 +104,21 @@ def test_allreduce_argument_errors():
         distnorm.allreduce(x, workspace=types.SimpleNamespace(world_size=2), algo="ring")
     with pytest.raises(ValueError, match="scale"):
         distnorm.allreduce_add_rmsnorm(x, res, w, workspace=types.SimpleNamespace(world_size=2), quant="fp8")
+
+
+def test_split_rows_never_when_an_output_starts_at_an_input():
+    """NOTE [split rows]: a row split over CTAs must not be written over while another part loads it."""
+    from distnorm.formats import make_quant_spec
+    from distnorm.ops import _writes_where_it_reads, fused_kernel_key
+
+    x, res = torch.randn(4, 64), torch.randn(4, 64)
+    y, h = torch.empty_like(x), torch.empty_like(res)
+    assert not _writes_where_it_reads((x, res), (h, y, None))
+    assert _writes_where_it_reads((x, res), (res, y, None))  # residual updated in place
+    assert _writes_where_it_reads((x, res), (h, x, None))  # y over x (vLLM's in-place form)
+    assert _writes_where_it_reads((x, None), (None, x[:2], None))  # a view starting at x
+    spec = make_quant_spec("nvfp4")
+    assert fused_kernel_key(torch.bfloat16, 4096, spec, True, False, True, 1)[-1] == 4
+    assert fused_kernel_key(torch.bfloat16, 4096, spec, True, False, True, 1, in_place=True)[-1] == 1
+    assert fused_kernel_key(torch.bfloat16, 4096, spec, True, False, True, 4099)[-1] == 1
+    assert fused_kernel_key(torch.bfloat16, 32768, spec, True, False, True, 1)[-1] == 1

@@ -30,17 +30,26 @@ from distnorm.kernels.tiling import RowTiling
 PAD_CTAS = 8
 MIN_PAD_WORDS = 4
 
+# NOTE [split rows]
+# At decode a row's canonical threads (NOTE [batch invariance] in norm_quant.py) sit on one SM (or
+# one cluster) and the quantizer's per-element arithmetic on them is most of the call. With split =
+# S, S CTAs (clusters) take the same row: each loads it, computes the same sum of squares (the same
+# float32 operations, so the same bits) and the same scales, and stores only the vectors j of its
+# thread slices with j % S == its part, so the arithmetic after the reduction is spread over S
+# times the threads. The extra loads hit L2 (the parts run at the same time).
+
 
 class FusedAddRMSNormQuant:
     """Compile-time settings live on the object; rows (M) and strides are run-time."""
 
     def __init__(self, tiling: RowTiling, quant: QuantSpec, has_residual: bool, gemma: bool,
-                 write_y: bool, pdl: bool = False):
+                 write_y: bool, pdl: bool = False, split: int = 1):
         self.t = tiling
         self.pdl = pdl
         self.q = quant
         self.has_residual = has_residual
-        self.core = NormQuantCore(tiling, quant, gemma, write_y)
+        self.split = split  # NOTE [split rows]
+        self.core = NormQuantCore(tiling, quant, gemma, write_y, split)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mR, mRout, mW: cute.Tensor, mY, mQ, mS, mScale, mGS,
@@ -48,7 +57,7 @@ class FusedAddRMSNormQuant:
         t = self.t
         m = mX.shape[0]
         rows = m
-        blocks = (m + t.rows_per_cta - 1) // t.rows_per_cta
+        blocks = (m + t.rows_per_cta - 1) // t.rows_per_cta * self.split
         if const_expr(self.q.swizzled):
             rows = (m + 127) // 128 * 128  # the 128x4 scale layout's padded rows are written too
             # NOTE [padding CTAs]: only when the last tile is partial
@@ -87,7 +96,11 @@ class FusedAddRMSNormQuant:
             cute.arch.cluster_arrive_relaxed()  # peers' smem must exist before our DSMEM stores
         row_in_cta = tidx // t.threads_per_row
         lane = cta_rank * t.threads_per_row + tidx % t.threads_per_row  # among the row's threads
-        row = (bidx // t.cluster_n) * t.rows_per_cta + row_in_cta
+        group = bidx // t.cluster_n  # CTA (cluster) index: row block * split + part
+        row = (group // self.split) * t.rows_per_cta + row_in_cta
+        part = None
+        if const_expr(self.split > 1):
+            part = group % self.split
         m = mX.shape[0]
         smem = cutlass.utils.SmemAllocator()
         bufs = self.core.allocate_smem(smem)
@@ -95,22 +108,22 @@ class FusedAddRMSNormQuant:
             cute.arch.cluster_wait()
         if const_expr(self.q.swizzled):
             # NOTE [padding CTAs]: every CTA of a cluster agrees on the branch
-            row_blocks = (m + t.rows_per_cta - 1) // t.rows_per_cta
-            if bidx // t.cluster_n >= row_blocks:
-                pad_cta = bidx - row_blocks * t.cluster_n
+            row_groups = (m + t.rows_per_cta - 1) // t.rows_per_cta * self.split
+            if group >= row_groups:
+                pad_cta = bidx - row_groups * t.cluster_n
                 per_thread = self._pad_words_per_thread()
                 self.core.store_padding_scales(mS, m, pad_cta * per_thread * t.threads, tidx,
                                                t.threads, per_thread)
             else:
                 self._fuse_row(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, eps, rows, row, lane,
-                               row_in_cta, bufs)
+                               row_in_cta, bufs, part)
         else:
             self._fuse_row(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, eps, rows, row, lane,
-                           row_in_cta, bufs)
+                           row_in_cta, bufs, part)
 
     @cute.jit
     def _fuse_row(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, eps: Float32, rows: Int32,
-                  row: Int32, lane: Int32, row_in_cta: Int32, bufs):
+                  row: Int32, lane: Int32, row_in_cta: Int32, bufs, part=None):
         m = mX.shape[0]
         row_valid = row < m
         # scalars first: their loads overlap the row loads instead of following the residual stores
@@ -127,8 +140,8 @@ class FusedAddRMSNormQuant:
             # h = T(float(x) + float(res)), one rounding (in place in rX); the norm reads float(h)
             self.core.add_packed(rX, rR)
             if row_valid:
-                self.core.store_row16(rX, mRout[row, None], lane)
+                self.core.store_row16(rX, mRout[row, None], lane, part)
         self.core.widen(rH, rX)
 
         self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW, mY, mQ, mS,
-                           static_inv, global_scale, bufs)
+                           static_inv, global_scale, bufs, None, part)

@@ -46,11 +46,14 @@ class NormQuantCore:
     Built at trace time from compile-time values; its methods are called inside a @cute.kernel.
     """
 
-    def __init__(self, tiling: RowTiling, quant: QuantSpec, gemma: bool, write_y: bool):
+    def __init__(self, tiling: RowTiling, quant: QuantSpec, gemma: bool, write_y: bool,
+                 split: int = 1):
         self.t = tiling
         self.q = quant
         self.gemma = gemma
         self.write_y = write_y
+        # NOTE [split rows]: `split` CTAs (clusters) per row, part p storing vectors j % split == p
+        self.split = split
         if quant.grouped:
             lanes = quant.group_size // VEC
             assert tiling.threads_per_row % lanes == 0 and lanes <= 32
@@ -92,26 +95,34 @@ class NormQuantCore:
     # ---- row loads and stores ------------------------------------------------------------------
     @cute.jit
     def _copy_row(self, frag, tRow, lane: Int32, store: cutlass.Constexpr, dtype,
-                  width: cutlass.Constexpr = VEC):
+                  width: cutlass.Constexpr = VEC, part=None):
         """Between a register fragment and row thread `lane`'s vectors of the row tRow (tiled in
         vectors of `width` elements: 8 values, or 4 packed words): store -> tRow <- frag converted
-        to dtype, else frag <- tRow."""
+        to dtype, else frag <- tRow. With `part`, only that part's vectors (NOTE [split rows])."""
         t = self.t
         for j in cutlass.range_constexpr(t.vecs_per_thread):
             v = lane + j * t.row_threads
             if const_expr(t.exact) or v < t.vecs:
-                if const_expr(store):
-                    tRow[(None, v)].store(self._slice(frag, j, width).load().to(dtype))
-                else:
-                    self._slice(frag, j, width).store(tRow[(None, v)].load())
+                if self._mine(j, part):
+                    if const_expr(store):
+                        tRow[(None, v)].store(self._slice(frag, j, width).load().to(dtype))
+                    else:
+                        self._slice(frag, j, width).store(tRow[(None, v)].load())
+
+    def _mine(self, j: int, part):
+        """Whether vector j is stored by part `part` (NOTE [split rows]): a Python True, folded
+        away, without a split."""
+        if part is None or self.split == 1:
+            return True
+        return part == j % self.split
 
     def load_row(self, dst, tSrc, lane: Int32):
         """dst (register fragment) <- row thread `lane`'s vectors of the row tSrc."""
         self._copy_row(dst, tSrc, lane, False, None)
 
-    def store_row(self, src, tDst, lane: Int32, dtype):
+    def store_row(self, src, tDst, lane: Int32, dtype, part=None):
         """Row thread `lane`'s vectors of the row tDst <- src (register fragment) as dtype."""
-        self._copy_row(src, tDst, lane, True, dtype)
+        self._copy_row(src, tDst, lane, True, dtype, VEC, part)
 
     @cute.jit
     def add_packed(self, rA, rB):
@@ -138,12 +149,12 @@ class NormQuantCore:
         else:
             dst.store(src.load().to(Float32))
 
-    def store_row16(self, src, mRow, lane: Int32):
+    def store_row16(self, src, mRow, lane: Int32, part=None):
         """Row thread `lane`'s vectors of the 16-bit row mRow <- src (a fragment of the row's
         dtype), moved as packed words: no per-element conversion or repacking."""
         self._copy_row(cute.recast_tensor(src, Int32),
                        cute.zipped_divide(cute.recast_tensor(mRow, Int32), (VEC // 2,)), lane, True,
-                       Int32, VEC // 2)
+                       Int32, VEC // 2, part)
 
     # ---- reductions ----------------------------------------------------------------------------
     @cute.jit
@@ -281,7 +292,7 @@ class NormQuantCore:
     @cute.jit
     def epilogue(self, rH, row: Int32, row_valid, scale_valid, lane: Int32, row_in_cta: Int32,
                  eps: Float32, mW, mY, mQ, mS, static_inv: Float32, global_scale: Float32, bufs,
-                 rW=None):
+                 rW=None, part=None):
         """rH: float32 register fragment [vecs_per_thread * 8] of h for row thread `lane`'s
         vectors (lane: the thread's index among the row's row_threads, cluster-wide).
         rW: this thread's weight vectors (load_weight), when the caller loaded them early; else
@@ -291,6 +302,7 @@ class NormQuantCore:
         rows (row_valid False, scale_valid True: swizzled-scale padding) compute on zeros and store
         only scales; threads past both store nothing.
         All threads of the CTA must call this (it synchronizes).
+        part: this CTA's part of a split row (NOTE [split rows]); None: it stores everything.
         """
         t = self.t
         nv = t.vecs_per_thread
@@ -305,19 +317,24 @@ class NormQuantCore:
         r = ptx.rsqrt_rn(ptx.div_rn(ss, Float32(t.hidden)) + eps)
         # y = (h * r) * w, kept in registers (reusing rH)
         w = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+        # a split part makes only its own vectors' y, but every y when the row amax needs it. (A
+        # test `const_expr(...) or <dynamic>` here made part 1 of 4 store garbage y at H = 32768.)
+        y_part = None if self.q.info.scales == "row" else part
         for j in cutlass.range_constexpr(nv):
-            self.widen(w, self._slice(rW, j))
-            for e in cutlass.range_constexpr(VEC):
-                wf = w[e]
-                if const_expr(self.gemma):
-                    wf = Float32(1.0) + wf
-                rH[j * VEC + e] = (rH[j * VEC + e] * r) * wf
+            if self._mine(j, y_part):
+                self.widen(w, self._slice(rW, j))
+                for e in cutlass.range_constexpr(VEC):
+                    wf = w[e]
+                    if const_expr(self.gemma):
+                        wf = Float32(1.0) + wf
+                    rH[j * VEC + e] = (rH[j * VEC + e] * r) * wf
         if const_expr(self.write_y):
             if row_valid:
-                self.store_row(rH, cute.zipped_divide(mY[row, None], (VEC,)), lane, mY.element_type)
+                self.store_row(rH, cute.zipped_divide(mY[row, None], (VEC,)), lane, mY.element_type,
+                               part)
         if const_expr(self.q.info.scales != "none"):
             self._quantize(rH, row, row_valid, scale_valid, lane, row_in_cta, mQ, mS, static_inv,
-                           global_scale, bufs)
+                           global_scale, bufs, part)
 
     def _slice(self, rH, j: int, width: int = VEC):
         """The register view of vector j (`width` elements: 8 values, or 4 packed words)."""
@@ -325,7 +342,7 @@ class NormQuantCore:
 
     @cute.jit
     def _quantize(self, rY, row: Int32, row_valid, scale_valid, lane: Int32, row_in_cta: Int32,
-                  mQ, mS, static_inv: Float32, global_scale: Float32, bufs):
+                  mQ, mS, static_inv: Float32, global_scale: Float32, bufs, part=None):
         t = self.t
         q = self.q
         nv = t.vecs_per_thread
@@ -340,7 +357,7 @@ class NormQuantCore:
             for j in cutlass.range_constexpr(nv):
                 v = lane + j * t.row_threads
                 if const_expr(t.exact) or v < t.vecs:
-                    if row_valid:
+                    if row_valid and self._mine(j, part):
                         self._store_q(rY, j, static_inv, tQ, v)
         elif const_expr(q.info.scales == "row"):
             amax = Float32(0.0)
@@ -348,31 +365,34 @@ class NormQuantCore:
                 amax = ptx.fmax_nan(amax, ptx.fabs(rY[i]))
             amax = self.row_reduce(amax, True, bufs[1], row_in_cta, lane)
             stored, inv = self._block_scale(amax, global_scale, rcp_gs)
-            if lane == 0 and row_valid:
+            if lane == 0 and row_valid and self._mine(0, part):
                 self._store_scale(mS, row, Int32(0), stored)
             for j in cutlass.range_constexpr(nv):
                 v = lane + j * t.row_threads
                 if const_expr(t.exact) or v < t.vecs:
-                    if row_valid:
+                    if row_valid and self._mine(j, part):
                         self._store_q(rY, j, inv, tQ, v)
         else:  # blocked formats: a block is `lanes` consecutive lanes of one vector column j
             lanes = q.group_size // VEC
             for j in cutlass.range_constexpr(nv):
                 v = lane + j * t.row_threads
                 amax = Float32(0.0)
-                for e in cutlass.range_constexpr(VEC):
-                    amax = ptx.fmax_nan(amax, ptx.fabs(rY[j * VEC + e]))
-                if const_expr(lanes > 1):
-                    amax = cute.arch.warp_reduction(amax, ptx.fmax_nan, threads_in_group=lanes)
-                stored, inv = self._block_scale(amax, global_scale, rcp_gs)
-                if const_expr(t.exact) or v < t.vecs:
-                    blk = v // lanes
-                    if lane % lanes == 0 and scale_valid:
-                        self._store_scale(mS, row, blk, stored)
-                    if row_valid:
-                        self._store_q(rY, j, inv, tQ, v)
+                stored = Float32(0.0)
+                inv = Float32(0.0)
+                if self._mine(j, part):  # uniform over the CTA: the shuffles stay matched
+                    for e in cutlass.range_constexpr(VEC):
+                        amax = ptx.fmax_nan(amax, ptx.fabs(rY[j * VEC + e]))
+                    if const_expr(lanes > 1):
+                        amax = cute.arch.warp_reduction(amax, ptx.fmax_nan, threads_in_group=lanes)
+                    stored, inv = self._block_scale(amax, global_scale, rcp_gs)
+                    if const_expr(t.exact) or v < t.vecs:
+                        blk = v // lanes
+                        if lane % lanes == 0 and scale_valid:
+                            self._store_scale(mS, row, blk, stored)
+                        if row_valid:
+                            self._store_q(rY, j, inv, tQ, v)
             if const_expr(q.swizzled):
-                if lane == 0 and scale_valid:
+                if lane == 0 and scale_valid and self._mine(0, part):
                     self._zero_padding_columns(mS, row)
 
     @cute.jit

@@ -24,9 +24,25 @@ for q in variants:
                                           ("bfloat16", 32768, True, False, 8, False)):
         compiled_fused_norm(dtype, H, q, res, gemma, q.kind == "none", cn, pdl)
         done.append((q.kind, H, cn))
+    # decode: each row split over CTAs (NOTE [split rows]), as ops._split_rows picks
+    split = 2 if q.kind in ("fp8", "fp8_per_token") else 4
+    compiled_fused_norm("bfloat16", 8192, q, True, False, True, 1, True, split)
+    done.append((q.kind, 8192, split))
 """
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_single_gpu_kernels_compile(arch):
-    assert compile_in_subprocess(BODY, arch) == 36
+    assert compile_in_subprocess(BODY, arch) == 45
+
+
+def test_split_rows_refuse_a_cluster():
+    """A row split over CTAs must sit on one CTA each (split + cluster measured wrong: refused)."""
+    pytest.importorskip("cutlass")
+    from distnorm.formats import make_quant_spec
+    from distnorm.kernels.fused_norm import FusedAddRMSNormQuant
+    from distnorm.kernels.tiling import choose_tiling
+
+    with pytest.raises(ValueError, match="cluster of 4"):
+        FusedAddRMSNormQuant(choose_tiling(32768, 4, 0, cta_threads=128),
+                             make_quant_spec("fp8_per_token"), True, False, True, True, 4)

@@ -224,6 +224,8 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
 def test_no_residual_strided_in_place(variant):
     run_and_check(variant, torch.bfloat16, 300, 4096, residual=False, row_pad=64)
     run_and_check(variant, torch.bfloat16, 300, 4096, residual=True, in_place=True, row_pad=64)
+    # decode rows in place: the host must not split them over CTAs (NOTE [split rows])
+    run_and_check(variant, torch.bfloat16, 7, 4096, residual=True, in_place=True)
 
 
 def test_cuda_graph_and_compile():

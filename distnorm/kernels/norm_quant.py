@@ -317,8 +317,7 @@ class NormQuantCore:
         r = ptx.rsqrt_rn(ptx.div_rn(ss, Float32(t.hidden)) + eps)
         # y = (h * r) * w, kept in registers (reusing rH)
         w = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
-        # a split part makes only its own vectors' y, but every y when the row amax needs it. (A
-        # test `const_expr(...) or <dynamic>` here made part 1 of 4 store garbage y at H = 32768.)
+        # a split part makes only its own vectors' y, but every y when the row amax needs it
         y_part = None if self.q.info.scales == "row" else part
         for j in cutlass.range_constexpr(nv):
             if self._mine(j, y_part):

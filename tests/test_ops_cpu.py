@@ -113,10 +113,11 @@ def test_split_rows_never_when_an_output_starts_at_an_input():
 
     x, res = torch.randn(4, 64), torch.randn(4, 64)
     y, h = torch.empty_like(x), torch.empty_like(res)
-    assert not _writes_where_it_reads((x, res), (h, y, None))
-    assert _writes_where_it_reads((x, res), (res, y, None))  # residual updated in place
-    assert _writes_where_it_reads((x, res), (h, x, None))  # y over x (vLLM's in-place form)
-    assert _writes_where_it_reads((x, None), (None, x[:2], None))  # a view starting at x
+    assert not _writes_where_it_reads(x, res, h, y, None)
+    assert _writes_where_it_reads(x, res, res, y, None)  # residual updated in place
+    assert _writes_where_it_reads(x, res, h, x, None)  # y over x (vLLM's in-place form)
+    assert _writes_where_it_reads(x, None, None, x[:2], None)  # a view starting at x
+    assert _writes_where_it_reads(x, res, None, None, res)  # q over residual
     spec = make_quant_spec("nvfp4")
     assert fused_kernel_key(torch.bfloat16, 4096, spec, True, False, True, 1)[-1] == 4
     assert fused_kernel_key(torch.bfloat16, 4096, spec, True, False, True, 1, in_place=True)[-1] == 1

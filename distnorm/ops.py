@@ -77,7 +77,7 @@ def fused_kernel_key(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_
 @functools.cache
 def _split_rows(H: int, rows_bucket: int, spec: Optional[QuantSpec]) -> int:
     """CTAs per row (NOTE [split rows] in kernels/fused_norm.py) for calls whose outputs start at
-    none of their inputs. Measured on H200 (benchmarks/results/decode_split_h200.md): at decode up
+    none of their inputs. Measured on H200 (benchmarks/results/decode_split_rule_h200.md): at decode up
     to H = 8192, 4 (2 for FP8 with one scale per row, static or per-token: less arithmetic per
     element to spread, and per-token lost 6% with 4 at 48 rows); none from H = 16384, where a row
     already spans a 4-CTA cluster (split clusters lose at 16-48 rows, and split + cluster is not

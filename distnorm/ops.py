@@ -77,11 +77,11 @@ def fused_kernel_key(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_
 @functools.cache
 def _split_rows(H: int, rows_bucket: int, spec: Optional[QuantSpec]) -> int:
     """CTAs per row (NOTE [split rows] in kernels/fused_norm.py) for calls whose outputs start at
-    none of their inputs. Measured on H200 (benchmarks/results/decode_split_rule_h200.md): at decode up
-    to H = 8192, 4 (2 for FP8 with one scale per row, static or per-token: less arithmetic per
-    element to spread, and per-token lost 6% with 4 at 48 rows); none from H = 16384, where a row
-    already spans a 4-CTA cluster (split clusters lose at 16-48 rows, and split + cluster is not
-    supported)."""
+    none of their inputs. Measured on H200 (benchmarks/results/decode_split_rule_h200.md): at
+    decode up to H = 8192, 4 (2 for FP8 with one scale per row, static or per-token: less
+    arithmetic per element to spread, and per-token lost 6% with 4 at 48 rows); none from
+    H = 16384, where a row already spans a 4-CTA cluster (split clusters lose at 16-48 rows, and
+    split + cluster is not supported)."""
     if rows_bucket != 0 or _cluster_size(H, rows_bucket, spec) > 1 or H >= 16384:
         return 1
     row_scaled_fp8 = spec is not None and spec.info.scales in ("static", "row")

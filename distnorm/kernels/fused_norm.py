@@ -31,12 +31,14 @@ PAD_CTAS = 8
 MIN_PAD_WORDS = 4
 
 # NOTE [split rows]
-# At decode a row's canonical threads (NOTE [batch invariance] in norm_quant.py) sit on one SM (or
-# one cluster) and the quantizer's per-element arithmetic on them is most of the call. With split =
-# S, S CTAs (clusters) take the same row: each loads it, computes the same sum of squares (the same
-# float32 operations, so the same bits) and the same scales, and stores only the vectors j of its
-# thread slices with j % S == its part, so the arithmetic after the reduction is spread over S
-# times the threads. The extra loads hit L2 (the parts run at the same time).
+# At decode a row's canonical threads (NOTE [batch invariance] in norm_quant.py) sit on one SM and
+# the quantizer's per-element arithmetic on them is most of the call. With split = S, S CTAs take
+# the same row: each loads it, computes the same sum of squares (the same float32 operations, so
+# the same bits) and the same scales, and stores only the vectors j of its thread slices with
+# j % S == its part, so the arithmetic after the reduction is spread over S times the threads. The
+# extra loads hit L2 (the parts run at the same time). The parts are not ordered, so an output
+# that starts where an input does (in place) would be overwritten under a part still loading it:
+# the host then never splits (ops._writes_where_it_reads). Rows spread over a cluster are not split.
 
 
 class FusedAddRMSNormQuant:

@@ -56,6 +56,26 @@ def test_every_argument_of_a_kernel_builder_names_its_kernel(monkeypatch):
     assert build.cache_key("bfloat16", 4096) == ("bfloat16", 4096, 1)
 
 
+def test_the_digest_covers_what_the_kernels_import():
+    """The kernels take word offsets and tables from modules outside kernels/: an edit there must
+    rename every kernel (a kernel with an old signal-pad layout would hang or corrupt)."""
+    import ast
+    from pathlib import Path
+
+    from distnorm.kernels import disk_cache
+
+    package = Path(disk_cache.__file__).resolve().parent.parent
+    covered = {p.relative_to(package).as_posix() for p in disk_cache.source_files()}
+    imported = set()
+    for path in (package / "kernels").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distnorm."):
+                rel = node.module.split(".", 1)[1].replace(".", "/")
+                imported.add(rel + ".py" if (package / (rel + ".py")).exists() else rel + "/__init__.py")
+    assert {"collectives/layout.py", "collectives/plan.py", "collectives/signature.py"} <= imported
+    assert imported <= covered, imported - covered
+
+
 _COMPILE_TWO = """
 import logging
 from distnorm import formats

@@ -5,8 +5,9 @@ takes milliseconds. An inference server's start-up and every test process pay th
 per machine instead of once per process.
 
 A kernel's file is named by a digest of everything its code depends on: the compile-time key the
-caller gives (kernel kind and arguments), the source of distnorm's kernel modules and formats.py,
-the CuTe DSL version and the target GPU architecture. A change to any of them gives a new name, so
+caller gives (kernel kind and arguments), distnorm's sources (all of them: the kernels also take
+constants from collectives/layout.py, plan.py and signature.py, and a kernel built with an old
+signal-pad layout would hang or corrupt), the CuTe DSL version and the target GPU architecture. A change to any of them gives a new name, so
 a stale kernel is never loaded. Files are written to a temporary name and renamed, so concurrent
 processes (ranks, test workers) never read half a file.
 
@@ -27,7 +28,6 @@ from typing import Any, Callable, Optional
 log = logging.getLogger("distnorm.compile")
 
 CACHE_ENV = "DISTNORM_KERNEL_CACHE"
-_SOURCES = ("kernels", "formats.py")  # relative to the distnorm package
 
 
 def cache_dir() -> Optional[Path]:
@@ -41,17 +41,20 @@ def cache_dir() -> Optional[Path]:
     return Path(base) / "distnorm" / "kernels"
 
 
+def source_files() -> list[Path]:
+    """distnorm's Python sources: what a kernel's code may come from."""
+    package = Path(__file__).resolve().parent.parent
+    return sorted(package.rglob("*.py"))
+
+
 @functools.cache
 def source_digest() -> str:
-    """SHA-256 over the kernel modules' and formats.py's sources (what a kernel's code comes from)."""
+    """SHA-256 over distnorm's sources (their paths within the package and their bytes)."""
     package = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for rel in _SOURCES:
-        root = package / rel
-        files = sorted(root.rglob("*.py")) if root.is_dir() else [root]
-        for path in files:
-            h.update(str(path.relative_to(package)).encode())
-            h.update(path.read_bytes())
+    for path in source_files():
+        h.update(str(path.relative_to(package)).encode())
+        h.update(path.read_bytes())
     return h.hexdigest()
 
 

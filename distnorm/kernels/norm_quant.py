@@ -52,7 +52,7 @@ class NormQuantCore:
         self.q = quant
         self.gemma = gemma
         self.write_y = write_y
-        # NOTE [split rows]: `split` CTAs (clusters) per row, part p storing vectors j % split == p
+        # NOTE [split rows]: `split` CTAs per row, part p storing vectors j % split == p
         self.split = split
         if quant.grouped:
             lanes = quant.group_size // VEC

@@ -133,5 +133,35 @@ def _body() -> None:
                 ws.close()
 
 
+def kernel_keys(test: str, params: dict) -> list[tuple]:
+    """The kernels _body's check() compiles (distnorm.kernels.precompile keys; tests/conftest.py
+    compiles them ahead, spread over the ranks): the slice epilogue's single-GPU kernels (linear
+    scales, every row bucket: slice sizes depend on the world), the reduce-scatter kernel, the
+    peer algorithm of each format. A key missed here is compiled where it is used."""
+    from distnorm import formats
+    from distnorm.collectives.dispatch import allreduce_kernel_key
+    from distnorm.collectives.rowsplit import linear_spec
+    from distnorm.launch.spawn import launch_world_size
+    from distnorm.ops import FEW_ROWS, fused_kernel_key
+
+    world = launch_world_size()
+    if test != "test_nccl_path_bitwise_the_peer_kernels" or world < 2:
+        return []
+    bf16, H, keys = torch.bfloat16, 4096, []
+    for k, (quant, opts) in enumerate(QUANTS.values()):
+        spec = formats.make_quant_spec(quant, **opts)
+        for write_y in (True, False):
+            keys += [("fused_norm", *fused_kernel_key(bf16, H, linear_spec(spec), False, False,
+                                                      write_y or spec is None, rows))
+                     for rows in (1, FEW_ROWS, FEW_ROWS + 1)]
+            keys.append(("allreduce", *allreduce_kernel_key("reducescatter", world, bf16, H, spec,
+                                                            True, False, write_y or spec is None,
+                                                            False)))
+        keys += [("allreduce", *allreduce_kernel_key(algo, world, bf16, H, spec, True, False, True,
+                                                     True))
+                 for algo in (ALGOS if FULL else (ALGOS[k % len(ALGOS)],))]
+    return keys
+
+
 def test_nccl_path_bitwise_the_peer_kernels():
     run_distributed(_body, timeout_s=900)

@@ -506,9 +506,11 @@ def _body_batch_invariance() -> None:
 
 
 def kernel_keys(test: str, params: dict) -> list[tuple]:
-    """The kernels (distnorm.kernels.precompile keys) of the grid and batch-invariance tests:
-    tests/conftest.py compiles them ahead, in parallel."""
+    """The kernels (distnorm.kernels.precompile keys) of the grid, batch-invariance, graph, chain
+    and back-to-back tests: tests/conftest.py compiles them ahead, in parallel (a key missed here
+    is compiled where it is used)."""
     from distnorm.collectives.dispatch import allreduce_kernel_key
+    from distnorm.collectives.plan import plan_launch
     from distnorm.launch.spawn import launch_world_size
     from distnorm.ops import fused_kernel_key
 
@@ -531,6 +533,24 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
         keys = [("allreduce", *allreduce_kernel_key(algo, world, bf16, H, None, False, False,
                                                     False, True)) for H in HIDDEN_OF[algo]]
         return keys + [fused(algo, H, spec_of(q)) for H in HIDDEN_OF[algo] for q in QUANTS]
+    def launched(algo, M, H, spec, residual, write_y, write_ar, buffer_bytes=BUFFER_BYTES):
+        """The kernel run_kernel launches for one call (plan_launch resolves auto and fallbacks)."""
+        swizzled = spec is not None and spec.swizzled
+        algo, _ = plan_launch(algo, world, M, H, 2, buffer_bytes, swizzled, write_ar and residual,
+                              not (residual or write_y or spec is not None))
+        return ("allreduce", *allreduce_kernel_key(algo, world, bf16, H, spec, residual, False,
+                                                   write_y, write_ar))
+    if test == "test_cuda_graph_replays":
+        return [launched(params["algo"], 64, 4096, spec_of("fp8_per_token"), True, True, False)]
+    if test == "test_back_to_back_changing_m":
+        return [launched(algo, M, 4096, spec_of("fp8"), True, False, False)
+                for algo in ("oneshot", "lamport", "twoshot", "auto") for M in (1, 7, 64, 300, 2048, 5)]
+    if test == "test_dependent_chain_pdl":
+        return [launched(algo, M, 4096, spec_of("fp8"), True, True, False)
+                for algo in ("lamport", "oneshot", "twoshot", "auto") for M in (1, 3, 8, 16)]
+    if test == "test_lamport_changing_hidden":
+        return [launched("lamport", 1, H, None, False, False, True, 8 << 20)
+                for H in (2048, 4096, 8192)]
     if test == "test_batch_invariance":
         keys = []
         for H in (7168, 16384):

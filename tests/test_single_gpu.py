@@ -201,13 +201,14 @@ def test_batch_invariance(label):
 
 def kernel_keys(test: str, params: dict) -> list[tuple]:
     """The kernels (distnorm.kernels.precompile keys) a case of test_fused_norm /
-    test_batch_invariance compiles: tests/conftest.py compiles them ahead, in parallel."""
+    test_batch_invariance / test_no_residual_strided_in_place compiles: tests/conftest.py compiles
+    them ahead, in parallel."""
     from distnorm.ops import fused_kernel_key
 
-    def key(variant, dtype, H, M):
+    def key(variant, dtype, H, M, residual=True, in_place=False):
         gemma = VARIANTS[variant][1].get("gemma", False)
-        return ("fused_norm",
-                *fused_kernel_key(DTYPES[dtype], H, variant_spec(variant), True, gemma, True, M))
+        return ("fused_norm", *fused_kernel_key(DTYPES[dtype], H, variant_spec(variant), residual,
+                                                gemma, True, M, in_place))
 
     if test == "test_fused_norm":
         variant, H, M = params["variant"], params["H"], params["M"]
@@ -217,6 +218,10 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     if test == "test_batch_invariance":
         return [key(v, d, h, M) for v, d, h in INVARIANCE_CASES[params["label"]]
                 for M, _ in BATCHES + ((60, 17),)]
+    if test == "test_no_residual_strided_in_place":  # its three run_and_check calls
+        v = params["variant"]
+        return [key(v, "bf16", 4096, 300, residual=False), key(v, "bf16", 4096, 300, in_place=True),
+                key(v, "bf16", 4096, 7, in_place=True)]
     return []
 
 

@@ -156,6 +156,7 @@ def _force_cluster(n, H: int) -> bool:
         return False
     ops._cluster_size = _CHOSEN_CLUSTER if n is None else (lambda *key: n)
     ops._fused_kernel.cache_clear()
+    ops._split_rows.cache_clear()  # it asks _cluster_size too
     return True
 
 

@@ -45,7 +45,7 @@ def test_every_argument_of_a_kernel_builder_names_its_kernel(monkeypatch):
     seen = []
     monkeypatch.setattr(compat, "compile_tvm_ffi", lambda kernel, *args, cache_key: seen.append(cache_key))
 
-    @compat.compiled_kernel
+    @compat.compiled_kernel(object)
     def build(dtype: str, hidden: int, split: int = 1):
         return object(), ()
 

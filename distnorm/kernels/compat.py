@@ -37,7 +37,8 @@ def compile_tvm_ffi(fn, *args, cache_key: tuple | None = None):
     """cute.compile with the TVM-FFI calling convention (~3.5 us per call instead of ~40 us).
 
     cache_key: the caller's compile-time key (its arguments, with stable reprs); with it the kernel
-    is loaded from / stored to the on-disk cache (kernels/disk_cache.py)."""
+    is loaded from / stored to the on-disk cache (kernels/disk_cache.py), filed under the kernel
+    class's name."""
     keep_ptx = bool(os.environ.get("DISTNORM_KEEP_PTX"))
 
     def build():
@@ -54,24 +55,37 @@ def compile_tvm_ffi(fn, *args, cache_key: tuple | None = None):
     return compile_cached(type(fn).__name__, cache_key, build)
 
 
-def compiled_kernel(describe: Callable) -> Callable:
-    """Decorator: `describe(*key)` returns (kernel object, its compile arguments); the decorated
-    function returns the compiled kernel (compile_tvm_ffi), memoized per process and on disk under
-    all of its own arguments, defaults filled in. The whole compile-time key is the argument list,
-    so a parameter added later cannot be left out of the disk cache's file name (a kernel of
-    another configuration would load silently)."""
-    signature = inspect.signature(describe)
+def compiled_kernel(kernel_class: type) -> Callable:
+    """Decorator for a builder of `kernel_class` kernels: `describe(*key)` returns (kernel object,
+    its compile arguments); the decorated function returns the compiled kernel (compile_tvm_ffi),
+    memoized per process and on disk under the class's name and all of its own arguments, defaults
+    filled in. The whole compile-time key is the argument list, so a parameter added later cannot
+    be left out of the disk cache's file name (a kernel of another configuration would load
+    silently). `.cache_path(*key)` says where that file is (precompile)."""
+    kind = kernel_class.__name__
 
-    def cache_key(*args, **kwargs) -> tuple:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return tuple(bound.arguments.values())
+    def decorate(describe: Callable) -> Callable:
+        signature = inspect.signature(describe)
 
-    @functools.cache
-    @functools.wraps(describe)
-    def compiled(*args, **kwargs):
-        kernel, compile_args = describe(*args, **kwargs)
-        return compile_tvm_ffi(kernel, *compile_args, cache_key=cache_key(*args, **kwargs))
+        def cache_key(*args, **kwargs) -> tuple:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return tuple(bound.arguments.values())
 
-    compiled.cache_key = cache_key  # what the disk cache files a call's kernel under (precompile)
-    return compiled
+        @functools.cache
+        @functools.wraps(describe)
+        def compiled(*args, **kwargs):
+            kernel, compile_args = describe(*args, **kwargs)
+            assert type(kernel) is kernel_class, (type(kernel), kernel_class)
+            return compile_tvm_ffi(kernel, *compile_args, cache_key=cache_key(*args, **kwargs))
+
+        def cache_path(*args, **kwargs):
+            from distnorm.kernels.disk_cache import kernel_path
+
+            return kernel_path(kind, cache_key(*args, **kwargs))
+
+        compiled.cache_key = cache_key
+        compiled.cache_path = cache_path
+        return compiled
+
+    return decorate

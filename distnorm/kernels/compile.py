@@ -82,7 +82,7 @@ def fake_norm_quant_args(cdtype, hidden: int, quant: QuantSpec, has_residual: bo
     return x, res, res_out, w, y, q, s, scale, gs
 
 
-@compat.compiled_kernel
+@compat.compiled_kernel(FusedAddRMSNormQuant)
 def compiled_fused_norm(dtype: str, hidden: int, quant: QuantSpec, has_residual: bool, gemma: bool,
                         write_y: bool, cluster_n: int = 1, pdl: bool = False,
                         split: int = 1) -> tuple:

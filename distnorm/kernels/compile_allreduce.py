@@ -43,7 +43,7 @@ def co_resident_ctas_per_sm(tiling: RowTiling) -> int:
     return max(1, 256 // tiling.threads)
 
 
-@compat.compiled_kernel
+@compat.compiled_kernel(AllReduceAddRMSNormQuant)
 def compiled_allreduce(algo: str, world: int, dtype: str, hidden: int, quant: QuantSpec,
                        has_residual: bool, gemma: bool, write_y: bool,
                        write_allreduce: bool, pdl: bool = False, rows_per_cta: int = 0) -> tuple:

@@ -20,8 +20,7 @@ from pathlib import Path
 
 from distnorm.kernels import disk_cache
 
-# the cache kind compile_tvm_ffi files each kernel under (its kernel class's name)
-_KINDS = {"fused_norm": "FusedAddRMSNormQuant", "allreduce": "AllReduceAddRMSNormQuant"}
+FAMILIES = ("fused_norm", "allreduce")
 
 
 def _builder(family: str):
@@ -31,7 +30,7 @@ def _builder(family: str):
     if family == "allreduce":
         from distnorm.kernels.compile_allreduce import compiled_allreduce
         return compiled_allreduce
-    raise ValueError(f"unknown kernel family {family!r}; expected one of {sorted(_KINDS)}")
+    raise ValueError(f"unknown kernel family {family!r}; expected one of {FAMILIES}")
 
 
 def _failed_marker(path: Path) -> Path:
@@ -54,9 +53,7 @@ def _compile(key: tuple) -> bool:
 
 def cached_path(key: tuple) -> Path:
     """Where the cache keeps the kernel of ``key`` (the cache must be on)."""
-    if key[0] not in _KINDS:
-        raise ValueError(f"unknown kernel family {key[0]!r}; expected one of {sorted(_KINDS)}")
-    path = disk_cache.kernel_path(_KINDS[key[0]], _builder(key[0]).cache_key(*key[1:]))
+    path = _builder(key[0]).cache_path(*key[1:])
     if path is None:
         raise RuntimeError("the kernel cache is off (DISTNORM_KERNEL_CACHE=0)")
     return path

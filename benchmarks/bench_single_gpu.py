@@ -76,6 +76,9 @@ def main():
     ap.add_argument("--cluster-sizes", type=int, nargs="+", metavar="N",
                     help="A/B of the thread-block cluster size: each point also timed (cold) with "
                          "the row spread over N CTAs (sizes H cannot split into are left out)")
+    ap.add_argument("--splits", type=int, nargs="+", metavar="S",
+                    help="A/B of split rows: each point also timed (cold) with every row split "
+                         "over S CTAs, or S clusters (NOTE [split rows] in kernels/fused_norm.py)")
     args = ap.parse_args()
     if args.merge:
         merge(args.merge, args.out + ".json")
@@ -116,6 +119,10 @@ def main():
                         n: _time_rotating(fused, sets)
                         for n in args.cluster_sizes if _force_cluster(n, H)}
                     _force_cluster(None, H)
+                if args.splits:
+                    row["us_by_split"] = {S: _time_rotating(fused, sets) for S in args.splits
+                                          if _force_split(S)}
+                    _force_split(None)
                 row["copy_us"] = _copy_same_bytes_us(nbytes, len(sets))
                 if len(sets) > 1:  # the footprint fits in L2: the hot figure too
                     row["us_hot"] = _time_rotating(fused, sets[:1])
@@ -156,7 +163,18 @@ def _force_cluster(n, H: int) -> bool:
         return False
     ops._cluster_size = _CHOSEN_CLUSTER if n is None else (lambda *key: n)
     ops._fused_kernel.cache_clear()
-    ops._split_rows.cache_clear()  # it asks _cluster_size too
+    _CHOSEN_SPLIT.cache_clear()  # it asks _cluster_size too
+    return True
+
+
+_CHOSEN_SPLIT = ops._split_rows
+
+
+def _force_split(S) -> bool:
+    """Make the ops split every row over S CTAs (clusters) where they may split (not in place);
+    None: the library's choice again."""
+    ops._split_rows = _CHOSEN_SPLIT if S is None else (lambda *key: S)
+    ops._fused_kernel.cache_clear()
     return True
 
 
@@ -279,7 +297,8 @@ def write_table(path, meta, rows):
                      f"{'' if hot is None else round(hot, 2)} | "
                      f"{r.get('eager_us', float('nan')):.1f} | {c if c is None else round(c, 2)} | "
                      + ("" if c is None else "%.2fx" % (c / r["us"])) + " |"
-                     + "".join(f" cluster {k}: {v:.2f} us |" for k, v in r.get("us_by_cluster", {}).items()))
+                     + "".join(f" cluster {k}: {v:.2f} us |" for k, v in r.get("us_by_cluster", {}).items())
+                     + "".join(f" split {k}: {v:.2f} us |" for k, v in r.get("us_by_split", {}).items()))
     open(path, "w").write("\n".join(lines) + "\n")
 
 

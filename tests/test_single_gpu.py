@@ -21,7 +21,7 @@ import distnorm
 from distnorm import formats
 from distnorm.reference import add_rmsnorm_ref
 from invariance import BATCHES, assert_same_bytes, embed, row_bytes
-from quant_check import assert_quant_close, assert_y_close, poison_like
+from quant_check import assert_quant_close, assert_y_close, poison_like, quant_kwargs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -218,11 +218,49 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     if test == "test_batch_invariance":
         return [key(v, d, h, M) for v, d, h in INVARIANCE_CASES[params["label"]]
                 for M, _ in BATCHES + ((60, 17),)]
+    if test == "test_split_rows_store_one_ctas_bits":
+        spec = formats.kernel_spec(variant_spec(params["variant"]))
+        return [("fused_norm", "float16", SPLIT_HIDDEN, spec, True, False, True, params["cluster"],
+                 True, s) for s in (1, params["split"])]
     if test == "test_no_residual_strided_in_place":  # its three run_and_check calls
         v = params["variant"]
         return [key(v, "bf16", 4096, 300, residual=False), key(v, "bf16", 4096, 300, in_place=True),
                 key(v, "bf16", 4096, 7, in_place=True)]
     return []
+
+
+SPLIT_HIDDEN = 32768
+
+
+@pytest.mark.parametrize("variant, cluster, split", [("none", 1, 4), ("none", 4, 4),
+                                                     ("nvfp4_swizzled", 4, 4), ("fp8_g128", 4, 2)])
+def test_split_rows_store_one_ctas_bits(variant, cluster, split):
+    """Rows split over `split` CTAs (clusters of `cluster` CTAs) store every output bit the
+    unsplit kernel stores (NOTE [split rows] in kernels/fused_norm.py), whatever ops' rule picks:
+    fp16 at H = 32768, 8 vectors per thread, where a miscompile once made part 1 store vector
+    column 0's residual in column 1. 3 rows, so parts of several rows run side by side."""
+    from distnorm.args import allocate_outputs
+    from distnorm.kernels.compile import compiled_fused_norm
+
+    M, H = 3, SPLIT_HIDDEN
+    spec = variant_spec(variant)
+    x, res, w = make_inputs(M, H, torch.float16, 5)
+    kw = quant_kwargs(*VARIANTS[variant], device="cuda")
+    ref = add_rmsnorm_ref(x, res, w, 1e-6, norm_out=True, **kw)
+    got = []
+    for s in (1, split):
+        outs = allocate_outputs(x, spec, True, True, None, None, None, None)
+        for t in outs:
+            if t is not None:
+                poison_like(t)
+        kernel = compiled_fused_norm("float16", H, formats.kernel_spec(spec), True, False, True,
+                                     cluster, True, s)
+        kernel(x, res, *outs[:1], w, *outs[1:], kw.get("scale"), kw.get("global_scale"), 1e-6)
+        got.append([t.view(torch.uint8) for t in outs if t is not None])
+    torch.cuda.synchronize()
+    assert torch.equal(got[0][0], ref.residual.view(torch.uint8)), "residual not bitwise equal"
+    for one_cta, parts in zip(*got):
+        assert torch.equal(one_cta, parts), f"split {split} (cluster {cluster}) changed bits"
 
 
 @pytest.mark.parametrize("variant", ["none", "fp8_per_token", "nvfp4_swizzled"])

@@ -38,7 +38,8 @@ MIN_PAD_WORDS = 4
 # j % S == its part, so the arithmetic after the reduction is spread over S times the threads. The
 # extra loads hit L2 (the parts run at the same time). The parts are not ordered, so an output
 # that starts where an input does (in place) would be overwritten under a part still loading it:
-# the host then never splits (ops._writes_where_it_reads). Rows spread over a cluster are not split.
+# the host then never splits (ops._writes_where_it_reads). A row spread over a cluster is split
+# into S clusters the same way (`group` counts clusters).
 
 
 class FusedAddRMSNormQuant:
@@ -50,11 +51,6 @@ class FusedAddRMSNormQuant:
         self.pdl = pdl
         self.q = quant
         self.has_residual = has_residual
-        if split > 1 and tiling.cluster_n > 1:
-            # measured wrong on H200 (H = 32768, cluster 4, split 4: one vector column of y off in
-            # several formats), not understood; the host never asks for it (ops._split_rows)
-            raise ValueError(f"split rows (split={split}) need rows on one CTA; got a cluster of "
-                             f"{tiling.cluster_n}")
         self.split = split  # NOTE [split rows]
         self.core = NormQuantCore(tiling, quant, gemma, write_y, split)
 

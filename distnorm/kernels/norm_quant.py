@@ -137,17 +137,21 @@ class NormQuantCore:
 
     @cute.jit
     def widen(self, dst, src):
-        """dst (float32 fragment) <- src (16-bit fragment of the same size). bf16 is the high half
-        of a float32, so each packed word gives its two values with one shift and one mask (the
-        generic conversion first moves the high half down with a byte permute: three instructions
-        per pair instead of two)."""
-        if const_expr(_half_name(src.element_type) == "bf16"):
-            words = cute.recast_tensor(src, Int32)
-            for i in cutlass.range_constexpr(cute.size(src) // 2):
+        """dst (float32 fragment) <- src (16-bit fragment of the same size), read as packed words.
+        bf16 is the high half of a float32, so each word gives its two values with one shift and
+        one mask (the generic conversion first moves the high half down with a byte permute: three
+        instructions per pair instead of two). fp16 is read as words too, never through the
+        fragment's fp16 view: add_packed writes the fragment as words, and reading it through both
+        views was miscompiled (measured on H200, CuTe DSL 4.3.5: fp16, 8 vectors per thread, rows
+        split over 4 CTAs: part 1 stored vector column 0's residual in column 1)."""
+        words = cute.recast_tensor(src, Int32)
+        for i in cutlass.range_constexpr(cute.size(src) // 2):
+            if const_expr(_half_name(src.element_type) == "bf16"):
                 dst[2 * i] = ptx.bits_f32(words[i] << 16)
                 dst[2 * i + 1] = ptx.bits_f32(words[i] & Int32(-65536))
-        else:
-            dst.store(src.load().to(Float32))
+            else:
+                dst[2 * i] = ptx.f16_to_f32(words[i], False)
+                dst[2 * i + 1] = ptx.f16_to_f32(words[i], True)
 
     def store_row16(self, src, mRow, lane: Int32, part=None):
         """Row thread `lane`'s vectors of the 16-bit row mRow <- src (a fragment of the row's

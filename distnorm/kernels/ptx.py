@@ -104,6 +104,14 @@ def add_x2(a, b, half: str, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def f16_to_f32(word, high: bool, *, loc=None, ip=None) -> Float32:
+    """The float32 value of the low (high=False) or high fp16 half of a packed 32-bit word (exact)."""
+    half = "h" if high else "l"
+    return _f32_asm(f"{{ .reg .b16 l, h; mov.b32 {{l, h}}, $1; cvt.f32.f16 $0, {half}; }}", "=f,r",
+                    ir_i32(word, loc, ip))
+
+
+@dsl_user_op
 def e4m3_to_f32(byte, *, loc=None, ip=None) -> Float32:
     """The float32 value of the e4m3 byte in the low 8 bits of `byte` (exact)."""
     return _f32_asm("{ .reg .b16 b; .reg .b32 h2; .reg .f16 h; cvt.u16.u32 b, $1; "

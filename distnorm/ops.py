@@ -24,6 +24,9 @@ from .rows import call_on_rows
 
 FEW_ROWS = 64  # up to this many rows a long row may be spread over a cluster (cluster_for)
 DECODE_ROWS = 48  # up to this many rows the 4-CTA spread pays (measured at 40, not at 64)
+# up to these many rows, rows spread over a cluster are also split (formats with a scale per group:
+# 4 parts up to 8 rows, 2 up to 16; others 2 up to 8): _split_rows
+SPLIT_CLUSTER_ROWS = (8, 16)
 
 
 def cluster_for(H: int, M: int, spec: Optional[QuantSpec] = None) -> int:
@@ -45,16 +48,19 @@ def cluster_for(H: int, M: int, spec: Optional[QuantSpec] = None) -> int:
 
 
 def _rows_bucket(M: int) -> int:
-    """0: decode (M <= DECODE_ROWS), 1: few rows (M <= FEW_ROWS), 2: many rows."""
-    return 0 if M <= DECODE_ROWS else 1 if M <= FEW_ROWS else 2
+    """The largest row count of M's bucket (the launch rules change only between buckets; many
+    rows: FEW_ROWS + 1)."""
+    return (SPLIT_CLUSTER_ROWS[0] if M <= SPLIT_CLUSTER_ROWS[0] else
+            SPLIT_CLUSTER_ROWS[1] if M <= SPLIT_CLUSTER_ROWS[1] else
+            DECODE_ROWS if M <= DECODE_ROWS else FEW_ROWS if M <= FEW_ROWS else FEW_ROWS + 1)
 
 
 @functools.cache
-def _cluster_size(H: int, rows_bucket: int, spec: Optional[QuantSpec]) -> int:
+def _cluster_size(H: int, rows: int, spec: Optional[QuantSpec]) -> int:
     block_scaled = spec is not None and spec.block_scaled
-    if rows_bucket == 2 or H < 16384:
+    if rows > FEW_ROWS or H < 16384:
         want = 1
-    elif rows_bucket == 0:
+    elif rows <= DECODE_ROWS:
         want = 4
     else:
         want = 2 if H >= 32768 or block_scaled else 1
@@ -75,17 +81,26 @@ def fused_kernel_key(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_
 
 
 @functools.cache
-def _split_rows(H: int, rows_bucket: int, spec: Optional[QuantSpec]) -> int:
-    """CTAs per row (NOTE [split rows] in kernels/fused_norm.py) for calls whose outputs start at
-    none of their inputs. Measured on H200 (benchmarks/results/decode_split_rule_h200.md): at
-    decode up to H = 8192, 4 (2 for FP8 with one scale per row, static or per-token: less
-    arithmetic per element to spread, and per-token lost 6% with 4 at 48 rows); none from
-    H = 16384, where a row already spans a 4-CTA cluster (split clusters lose at 16-48 rows, and
-    split + cluster is not supported)."""
-    if rows_bucket != 0 or _cluster_size(H, rows_bucket, spec) > 1 or H >= 16384:
+def _split_rows(H: int, rows: int, spec: Optional[QuantSpec]) -> int:
+    """CTAs (or clusters) per row (NOTE [split rows] in kernels/fused_norm.py) for calls of up to
+    `rows` rows whose outputs start at none of their inputs. Measured on H200, cold L2:
+    - rows on one CTA (benchmarks/results/decode_split_rule_h200.md, up to H = 8192): 4 up to 48
+      rows (2 for FP8 with one scale per row, static or per-token: less arithmetic per element to
+      spread, and per-token lost 6% with 4 at 48 rows);
+    - rows spread over a cluster (benchmarks/results/split_cluster_ab_h200.md, H = 16384 / 32768,
+      M = 1, 2, 4, 8, 16, 48): a split loses from 48 rows in every format (up to 1.6x slower with
+      4 parts) and from 16 for bf16 output and row-scaled FP8; the formats with a scale per group
+      (per-group FP8, NVFP4, MX) take 4 parts up to 8 rows (per-group FP8 at 1 x 32768 3.74 ->
+      2.55 us, NVFP4 3.53 -> 2.85) and 2 up to 16, the others 2 up to 8 (per-token at 1 x 32768
+      2.91 -> 2.69 with 4; 2 is as fast at 2 rows and faster at 8)."""
+    if rows > DECODE_ROWS:
         return 1
-    row_scaled_fp8 = spec is not None and spec.info.scales in ("static", "row")
-    return 2 if row_scaled_fp8 else 4
+    if _cluster_size(H, rows, spec) == 1:
+        row_scaled_fp8 = spec is not None and spec.info.scales in ("static", "row")
+        return 2 if row_scaled_fp8 else 4
+    if spec is not None and spec.grouped:
+        return 4 if rows <= SPLIT_CLUSTER_ROWS[0] else 2 if rows <= SPLIT_CLUSTER_ROWS[1] else 1
+    return 2 if rows <= SPLIT_CLUSTER_ROWS[0] else 1
 
 
 def _writes_where_it_reads(x, residual, residual_out, y_out, q_out) -> bool:
@@ -109,8 +124,7 @@ def _fused_kernel(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_res
     with a PDL-aware predecessor the launch overlaps its tail (at M = 1 most of the kernel's time)."""
     from .kernels.compile import compiled_fused_norm
 
-    rows = {0: 1, 1: FEW_ROWS, 2: FEW_ROWS + 1}[rows_bucket]  # a row count of the bucket
-    key = fused_kernel_key(dtype, H, spec, has_residual, gemma, write_y, rows, in_place)
+    key = fused_kernel_key(dtype, H, spec, has_residual, gemma, write_y, rows_bucket, in_place)
     return compiled_fused_norm(*key), key[-1]
 
 

@@ -162,7 +162,7 @@ def _force_cluster(n, H: int) -> bool:
     if n is not None and n not in cluster_sizes(H):
         return False
     ops._cluster_size = _CHOSEN_CLUSTER if n is None else (lambda *key: n)
-    ops._fused_kernel.cache_clear()
+    ops._call_kernels.cache_clear()
     _CHOSEN_SPLIT.cache_clear()  # it asks _cluster_size too
     return True
 
@@ -174,7 +174,7 @@ def _force_split(S) -> bool:
     """Make the ops split every row over S CTAs (clusters) where they may split (not in place);
     None: the library's choice again."""
     ops._split_rows = _CHOSEN_SPLIT if S is None else (lambda *key: S)
-    ops._fused_kernel.cache_clear()
+    ops._call_kernels.cache_clear()
     return True
 
 

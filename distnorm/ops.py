@@ -115,17 +115,39 @@ def _writes_where_it_reads(x, residual, residual_out, y_out, q_out) -> bool:
             or (q_out is not None and q_out.data_ptr() in starts))
 
 
-@functools.cache
-def _fused_kernel(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_residual: bool,
-                  gemma: bool, write_y: bool, rows_bucket: int, in_place: bool = False):
-    """(the compiled kernel for one call's compile-time key, its rows split); cached here as well
-    as in compiled_fused_norm so that an eager call pays one dictionary lookup (host time).
-    Programmatic dependent launch (DISTNORM_PDL, read when the key is first compiled) is on by default:
-    with a PDL-aware predecessor the launch overlaps its tail (at M = 1 most of the kernel's time)."""
-    from .kernels.compile import compiled_fused_norm
+class _CallKernels:
+    """The kernels one call key may launch: split rows (`split` > 1) or, for a call that writes
+    where it reads, one CTA per row. Each is compiled on its first use, so an in-place call
+    (vLLM's form) never compiles the split kernel it cannot use (about a second per key)."""
 
-    key = fused_kernel_key(dtype, H, spec, has_residual, gemma, write_y, rows_bucket, in_place)
-    return compiled_fused_norm(*key), key[-1]
+    __slots__ = ("key", "split", "kernel", "in_place_kernel")
+
+    def __init__(self, key: tuple):
+        self.key = key
+        self.split = fused_kernel_key(*key)[-1]
+        self.kernel = None
+        self.in_place_kernel = None
+
+    def compile(self, in_place: bool):
+        """Compile (or load) and keep the kernel for calls in place or not."""
+        from .kernels.compile import compiled_fused_norm
+
+        kernel = compiled_fused_norm(*fused_kernel_key(*self.key, in_place))
+        if in_place:
+            self.in_place_kernel = kernel
+        else:
+            self.kernel = kernel
+        return kernel
+
+
+@functools.cache
+def _call_kernels(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_residual: bool,
+                  gemma: bool, write_y: bool, rows_bucket: int) -> _CallKernels:
+    """The kernels of one call's compile-time key; cached here as well as in compiled_fused_norm
+    so that an eager call pays one dictionary lookup (host time). Programmatic dependent launch
+    (DISTNORM_PDL, read when the key is first compiled) is on by default: with a PDL-aware
+    predecessor the launch overlaps its tail (at M = 1 most of the kernel's time)."""
+    return _CallKernels((dtype, H, spec, has_residual, gemma, write_y, rows_bucket))
 
 
 def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,
@@ -133,10 +155,16 @@ def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, g
     M, H = x.shape
     if M == 0:
         return
-    key = (x.dtype, H, spec, residual is not None, gemma, y_out is not None, _rows_bucket(M))
-    kernel, split = _fused_kernel(*key)
-    if split > 1 and _writes_where_it_reads(x, residual, residual_out, y_out, q_out):
-        kernel = _fused_kernel(*key, True)[0]
+    kernels = _call_kernels(x.dtype, H, spec, residual is not None, gemma, y_out is not None,
+                            _rows_bucket(M))
+    if kernels.split > 1 and _writes_where_it_reads(x, residual, residual_out, y_out, q_out):
+        kernel = kernels.in_place_kernel
+        if kernel is None:
+            kernel = kernels.compile(True)
+    else:
+        kernel = kernels.kernel
+        if kernel is None:
+            kernel = kernels.compile(False)
     kernel(x, residual, residual_out, weight, y_out, q_out, scales_out, scale, global_scale,
            float(eps))
 

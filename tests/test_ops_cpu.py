@@ -126,3 +126,32 @@ def test_split_rows_never_when_an_output_starts_at_an_input():
     long_rows = [fused_kernel_key(torch.bfloat16, 32768, s, True, False, True, M)[-1]
                  for s in (spec, make_quant_spec("fp8_per_token")) for M in (1, 8, 9, 16, 17, 48)]
     assert long_rows == [4, 4, 2, 2, 1, 1, 2, 2, 1, 1, 1, 1]
+
+
+def test_in_place_calls_compile_only_the_kernel_they_launch(monkeypatch):
+    """An in-place decode call (split rows refused) compiles the one-CTA kernel only; the split
+    kernel compiles when a call that may split comes, and each compiles once."""
+    pytest.importorskip("cutlass")
+    import distnorm.kernels.compile as kernel_compile
+    from distnorm import ops
+
+    compiled, launched = [], []
+
+    def fake_compile(*key):
+        compiled.append(key[-1])  # the key's split
+        return lambda *args: launched.append(key[-1])
+
+    monkeypatch.setattr(kernel_compile, "compiled_fused_norm", fake_compile)
+    ops._call_kernels.cache_clear()
+    try:
+        x, res = torch.randn(4, 4096).bfloat16(), torch.randn(4, 4096).bfloat16()
+        w = torch.ones(4096).bfloat16()
+        for _ in range(2):  # in place: y over x, residual updated
+            ops.run_fused_norm_kernel(x, res, w, 1e-6, None, None, None, False, res, x, None, None)
+        assert compiled == [1] and launched == [1, 1]
+        for _ in range(2):
+            ops.run_fused_norm_kernel(x, res, w, 1e-6, None, None, None, False,
+                                      torch.empty_like(res), torch.empty_like(x), None, None)
+        assert compiled == [1, 4] and launched == [1, 1, 4, 4]
+    finally:
+        ops._call_kernels.cache_clear()

@@ -163,9 +163,9 @@ def test_launched_ranks_split_the_grid_by_kernel():
     got = [_collected(proc) for proc in ranks]
     everything = _collected(unsplit)
     barrier = [n for n in everything if "multigpu" in n]
-    # + 10: test_single_gpu.py's other tests (3 batch-invariance, 3 strided, graph, 2 dependent
-    # chains, bad inputs)
-    assert len(barrier) == 3 and len(everything) == 3 + len(fused_norm_cases("default")) + 10
+    # + 14: test_single_gpu.py's other tests (3 batch-invariance, 4 split rows, 3 strided, graph,
+    # 2 dependent chains, bad inputs)
+    assert len(barrier) == 3 and len(everything) == 3 + len(fused_norm_cases("default")) + 14
     for names in got:
         assert names[:3] == barrier  # collective tests first, on every rank
     per_rank = [set(names[3:]) for names in got]

@@ -46,6 +46,9 @@ DEFAULT_VARIANTS = ["none", "fp8", "fp8_per_token", "fp8_group128", "nvfp4", "mx
 MAX_SETS = 64
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def count_bytes(spec, M, H, esize=2):
     b = 3 * M * H * esize
     if spec is None:
@@ -76,6 +79,7 @@ def main():
     ap.add_argument("--cluster-sizes", type=int, nargs="+", metavar="N",
                     help="A/B of the thread-block cluster size: each point also timed (cold) with "
                          "the row spread over N CTAs (sizes H cannot split into are left out)")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="activation dtype")
     ap.add_argument("--splits", type=int, nargs="+", metavar="S",
                     help="A/B of split rows: each point also timed (cold) with every row split "
                          "over S CTAs, or S clusters (NOTE [split rows] in kernels/fused_norm.py)")
@@ -104,7 +108,7 @@ def main():
         quant, opts = VARIANTS[vname]
         spec = formats.make_quant_spec(quant, **opts)
         for H in Hs:
-            w = (torch.rand(H, device="cuda") + 0.5).to(torch.bfloat16)
+            w = (torch.rand(H, device="cuda") + 0.5).to(DTYPES[args.dtype])
             for M in Ms:
                 kw = variant_kwargs(vname)
                 nbytes = count_bytes(spec, M, H)
@@ -141,13 +145,14 @@ def main():
                 del sets, x, r
         torch.cuda.empty_cache()
     meta = dict(device=dev, copy_tbs=copy_bw, empty_launch_us=empty, host_us=host, command=" ".join(sys.argv),
+                dtype=args.dtype,
                 torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     write_table(args.out + ".md", meta, rows)
     try:
-        write_heatmap(args.out + ".png", rows, variants, Ms, Hs, copy_bw)
+        write_heatmap(args.out + ".png", rows, variants, Ms, Hs, copy_bw, args.dtype)
     except Exception as e:  # matplotlib missing: the table is the result
         print("no heatmap:", e)
 
@@ -201,8 +206,8 @@ def decode_fp8_case() -> tuple:
 
 def _input_set(M: int, H: int, w, kw) -> tuple:
     """(x, residual, outputs) for one call; outputs allocated once so the timed calls pass them."""
-    x = torch.randn(M, H, device="cuda").to(torch.bfloat16)
-    r = torch.randn(M, H, device="cuda").to(torch.bfloat16)
+    x = torch.randn(M, H, device="cuda").to(w.dtype)
+    r = torch.randn(M, H, device="cuda").to(w.dtype)
     out = distnorm.add_rmsnorm(x, r, w, 1e-6, **kw)
     outs = dict(residual_out=out.residual, y_out=out.y, q_out=out.q,
                 scales_out=out.scales if kw.get("quant") != "fp8" else None)
@@ -260,7 +265,7 @@ def render(path: str, copy_tbs: float | None) -> None:
     Ms = sorted({r["M"] for r in rows})
     Hs = sorted({r["H"] for r in rows})
     try:
-        write_heatmap(base + ".png", rows, variants, Ms, Hs, meta["copy_tbs"])
+        write_heatmap(base + ".png", rows, variants, Ms, Hs, meta["copy_tbs"], meta.get("dtype", "bf16"))
     except ImportError as e:  # matplotlib missing: the table is the result
         print("no heatmap:", e)
 
@@ -276,7 +281,7 @@ def host_time_us(n: int = 2000) -> dict:
 
 
 def write_table(path, meta, rows):
-    lines = [f"# Single-GPU fused add+RMSNorm+quant, bf16", "",
+    lines = [f"# Single-GPU fused add+RMSNorm+quant, {meta.get('dtype', 'bf16')}", "",
              f"Device: {meta['device']}; copy bandwidth {meta['copy_tbs']:.2f} TB/s (read+write); "
              f"empty kernel launch in a graph {meta['empty_launch_us']:.2f} us; torch {meta['torch']}; {meta['date']}.",
              f"Host time of one eager call (M=1, H=4096, fp8): {meta['host_us']} us.",
@@ -302,7 +307,7 @@ def write_table(path, meta, rows):
     open(path, "w").write("\n".join(lines) + "\n")
 
 
-def write_heatmap(path, rows, variants, Ms, Hs, copy_bw):
+def write_heatmap(path, rows, variants, Ms, Hs, copy_bw, dtype="bf16"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -323,7 +328,7 @@ def write_heatmap(path, rows, variants, Ms, Hs, copy_bw):
         ax.set_title(v, fontsize=8)
         ax.set_xlabel("M", fontsize=7)
     axes[0][0].set_ylabel("H", fontsize=7)
-    fig.suptitle(f"% of copy bandwidth ({copy_bw:.2f} TB/s), bf16", fontsize=9)
+    fig.suptitle(f"% of copy bandwidth ({copy_bw:.2f} TB/s), {dtype}", fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
     fig.savefig(path, dpi=130)
 

@@ -79,6 +79,8 @@ def main():
     ap.add_argument("--cluster-sizes", type=int, nargs="+", metavar="N",
                     help="A/B of the thread-block cluster size: each point also timed (cold) with "
                          "the row spread over N CTAs (sizes H cannot split into are left out)")
+    ap.add_argument("--note", help="what this run is (tree, purpose): kept in the JSON, heads the "
+                                    "table; with --render, added to an existing result")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="activation dtype")
     ap.add_argument("--splits", type=int, nargs="+", metavar="S",
                     help="A/B of split rows: each point also timed (cold) with every row split "
@@ -86,9 +88,9 @@ def main():
     args = ap.parse_args()
     if args.merge:
         merge(args.merge, args.out + ".json")
-        return render(args.out + ".json", args.copy_tbs)
+        return render(args.out + ".json", args.copy_tbs, args.note)
     if args.render:
-        return render(args.render, args.copy_tbs)
+        return render(args.render, args.copy_tbs, args.note)
     Ms = [1, 16, 128, 1024, 4096, 16384, 65536]
     Hs = [1536, 4096, 8192, 16384, 32768]
     variants = DEFAULT_VARIANTS
@@ -145,7 +147,7 @@ def main():
                 del sets, x, r
         torch.cuda.empty_cache()
     meta = dict(device=dev, copy_tbs=copy_bw, empty_launch_us=empty, host_us=host, command=" ".join(sys.argv),
-                dtype=args.dtype,
+                dtype=args.dtype, note=args.note,
                 torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
@@ -249,10 +251,15 @@ def merge(paths: list, out: str) -> None:
         json.dump(dict(meta=meta, rows=[row for r in runs for row in r["rows"]]), f, indent=1)
 
 
-def render(path: str, copy_tbs: float | None) -> None:
-    """Rewrite <path>.md/.png from the JSON, optionally against another copy bandwidth."""
+def render(path: str, copy_tbs: float | None, note: str | None = None) -> None:
+    """Rewrite <path>.md/.png from the JSON, optionally against another copy bandwidth; `note`
+    (what the run is, which tree) is kept in the JSON's meta and heads the table."""
     d = json.load(open(path))
     meta, rows = d["meta"], d["rows"]
+    if note:
+        meta["note"] = note
+        with open(path, "w") as f:
+            json.dump(d, f, indent=1)
     if copy_tbs:
         meta["copy_note"] = (f"% copy is against {copy_tbs} TB/s; the in-run copy figure "
                              f"({meta['copy_tbs']:.2f}) came from a timing bug (elements counted as bytes)")
@@ -281,7 +288,9 @@ def host_time_us(n: int = 2000) -> dict:
 
 
 def write_table(path, meta, rows):
+    note = meta.get("note")
     lines = [f"# Single-GPU fused add+RMSNorm+quant, {meta.get('dtype', 'bf16')}", "",
+             *([note, ""] if note else []),
              f"Device: {meta['device']}; copy bandwidth {meta['copy_tbs']:.2f} TB/s (read+write); "
              f"empty kernel launch in a graph {meta['empty_launch_us']:.2f} us; torch {meta['torch']}; {meta['date']}.",
              f"Host time of one eager call (M=1, H=4096, fp8): {meta['host_us']} us.",

@@ -24,7 +24,7 @@ FI = import_flashinfer()  # before anything imports cutlass
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import time_graph_us  # noqa: E402
+from common import time_graph_us, unfused_tail  # noqa: E402
 
 import distnorm  # noqa: E402
 from distnorm.collectives import allreduce, allreduce_add_rmsnorm  # noqa: E402
@@ -35,13 +35,6 @@ from distnorm.comm import Workspace  # noqa: E402
 from distnorm.launch import init_distributed  # noqa: E402
 
 EPS = 1e-6
-
-
-def unfused_tail(h_in, res, w, inv):
-    h = h_in + res
-    var = h.float().pow(2).mean(-1, keepdim=True)
-    y = h.float() * torch.rsqrt(var + EPS) * w.float()
-    return h, (y * inv).clamp(-448, 448).to(torch.float8_e4m3fn)
 
 
 def main():

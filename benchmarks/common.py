@@ -100,3 +100,12 @@ def time_eager_us(fn: Callable[[], object], calls: int = 20, repeats: int = 10) 
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000.0 / calls)
     return statistics.median(times)
+
+
+def unfused_tail(h_in, res, w, inv, eps: float = 1e-6):
+    """What a user writes after a plain all-reduce / reduce-scatter: residual add, RMSNorm in
+    float32, static FP8 (inv = 1 / scale). Returns (h, q): bf16 [M, H], float8_e4m3fn [M, H]."""
+    h = h_in + res
+    var = h.float().pow(2).mean(-1, keepdim=True)
+    y = h.float() * torch.rsqrt(var + eps) * w.float()
+    return h, (y * inv).clamp(-448, 448).to(torch.float8_e4m3fn)

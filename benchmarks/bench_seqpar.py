@@ -1,0 +1,204 @@
+"""Sequence-parallel reduce-scatter + residual add + RMSNorm + quantization, with the quantized rows
+gathered for the next GEMM, side by side in one run with the unfused chain and all-reduce alone:
+
+    dn_rs_<fmt>_gather  distnorm.reduce_scatter_add_rmsnorm(..., gather=True): q / scales of all M
+                        rows on every rank, the residual shard updated
+    dn_rs_<fmt>         the same without the gather (the shard's outputs only)
+    unfused_fp8         NCCL reduce_scatter + add + RMSNorm + static FP8 in torch + NCCL all_gather
+                        of the FP8 bytes (what a sequence-parallel layer writes without distnorm)
+    unfused_fp8_comp    the same, its torch part compiled (static shapes, one compile per shape)
+    dn_ar_fp8           distnorm's fused all-reduce + add + RMSNorm + FP8 (all M rows on every rank)
+    dn_ar, nccl_ar, symm2   all-reduce alone: distnorm (algo auto), NCCL, symm-mem two-shot
+
+    torchrun --nproc-per-node N benchmarks/bench_seqpar.py --out benchmarks/results/seqpar_h200_xN
+
+fmt: fp8 (static) and nvfp4 (swizzled scales). M must be a multiple of N (NCCL's reduce_scatter
+takes equal shards). Every entry: a CUDA graph of 20 calls (common.time_graph_us, prequeue), median,
+max over ranks. `GB/s`: the bytes one GPU must send in the fused form -- (N-1)/N of the M x H bf16
+partial sums, plus (N-1)/N of the gathered q and scales -- over dn_rs_<fmt>_gather's time. Before
+timing, each shape's distnorm outputs are checked bitwise against the fused all-reduce's (residual
+rows of the shard, gathered q and scales); `rs_kernel` says whether the reduce-scatter ran as the
+peer kernel (False: the call did not fit the workspace and took torch.distributed). `--smoke`: the
+check and every case once, no timing (CPU: gloo ranks and a CPU workspace; tests/test_bench_smoke.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from common import time_graph_us, unfused_tail  # noqa: E402
+
+import distnorm  # noqa: E402
+from distnorm.collectives import seqpar  # noqa: E402
+from distnorm.launch import init_distributed  # noqa: E402
+
+EPS = 1e-6
+FORMATS = ("fp8", "nvfp4")
+
+
+def format_kwargs(fmt: str, device) -> dict:
+    """The op keywords of a format: static FP8 scale 0.05, NVFP4 global scale 200."""
+    if fmt == "fp8":
+        return dict(quant="fp8", scale=torch.tensor([0.05], device=device))
+    return dict(quant="nvfp4", global_scale=torch.tensor([200.0], device=device))
+
+
+def sent_bytes(fmt: str, M: int, H: int, world: int) -> float:
+    """Bytes one GPU sends in the fused form: its share of the reduce-scatter and of the gather."""
+    q_row = H if fmt == "fp8" else H // 2 + H // 16  # FP8 codes; FP4 codes + one e4m3 per 16
+    return (world - 1) / world * M * (2 * H + q_row)
+
+
+def same_bytes(a, b) -> bool:
+    return a is None and b is None or (a is not None and b is not None and a.shape == b.shape
+                                       and torch.equal(a.contiguous().view(torch.uint8),
+                                                       b.contiguous().view(torch.uint8)))
+
+
+def outputs_match(x, res, w, ws) -> bool:
+    """Every format: the shard's residual and the gathered q / scales bitwise the fused
+    all-reduce's (the op's contract)."""
+    a, b = distnorm.shard_rows(x.shape[0], ws)
+    ok = True
+    for fmt in FORMATS:
+        kw = format_kwargs(fmt, x.device)
+        full = distnorm.allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, **kw)
+        got = distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, EPS, workspace=ws, gather=True,
+                                                  **kw)
+        ok &= same_bytes(got.residual, full.residual[a:b]) and same_bytes(got.q, full.q)
+        if fmt != "fp8":
+            ok &= same_bytes(got.scales, full.scales)
+    return bool(ok)
+
+
+def cases(x, res, w, ws, nccl: bool, symm, compiled_tail) -> dict:
+    """name -> callable of one call (module docstring)."""
+    M, H = x.shape
+    world = dist.get_world_size()
+    a, b = distnorm.shard_rows(M, ws)
+    res_shard = res[a:b].clone()
+    c = {}
+    for fmt in FORMATS:
+        kw = format_kwargs(fmt, x.device)
+        c[f"dn_rs_{fmt}_gather"] = lambda kw=kw: distnorm.reduce_scatter_add_rmsnorm(
+            x, res_shard, w, EPS, workspace=ws, gather=True, **kw)
+        c[f"dn_rs_{fmt}"] = lambda kw=kw: distnorm.reduce_scatter_add_rmsnorm(
+            x, res_shard, w, EPS, workspace=ws, **kw)
+    fp8 = format_kwargs("fp8", x.device)
+    c["dn_ar_fp8"] = lambda: distnorm.allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, **fp8)
+    summed = torch.empty_like(x)
+    c["dn_ar"] = lambda: distnorm.allreduce(x, workspace=ws, out=summed)
+    if nccl:
+        shard = torch.empty(M // world, H, dtype=x.dtype, device=x.device)
+        q_all = torch.empty(M, H, dtype=torch.uint8, device=x.device)
+        inv = 1.0 / fp8["scale"]
+
+        def unfused(tail):
+            dist.reduce_scatter_tensor(shard, x)
+            h, q = tail(shard, res_shard, w, inv)
+            dist.all_gather_into_tensor(q_all, q.view(torch.uint8))
+            return h, q_all
+        c["unfused_fp8"] = lambda: unfused(unfused_tail)
+        if compiled_tail is not None:
+            c["unfused_fp8_comp"] = lambda: unfused(compiled_tail)
+        c["nccl_ar"] = lambda: (summed.copy_(x), dist.all_reduce(summed))
+    if symm is not None:
+        c["symm2"] = lambda: symm.two_shot(x)
+    return c
+
+
+def main(argv=None) -> list:
+    """Run the benchmark (or its smoke form); returns the rows (rank 0 also writes the results)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/seqpar")
+    ap.add_argument("--tokens", type=int, nargs="*", default=[128, 512, 2048, 8192, 16384])
+    ap.add_argument("--hidden", type=int, nargs="*", default=[4096, 8192])
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="check + every case once, no timing")
+    args = ap.parse_args(argv)
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if any(M % world for M in args.tokens):
+        raise SystemExit(f"--tokens must be multiples of the world size {world}: {args.tokens}")
+    on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    max_m, max_h = max(args.tokens), max(args.hidden)
+    ws = distnorm.Workspace(dist.group.WORLD, device=None if on_gpu else "cpu",
+                            buffer_bytes=min(1 << 30, world * max_m * max_h * 2) + (16 << 20))
+    symm = None
+    if on_gpu:
+        from peers import SymmMemAllReduce
+        try:
+            symm = SymmMemAllReduce(max_m * max_h, torch.bfloat16, dev, dist.group.WORLD)
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            print(f"rank {rank}: symm_mem not available: {e!r}"[:200], flush=True)
+    compiled_tail = None
+    if on_gpu and not args.no_compile and not args.smoke:
+        torch._dynamo.config.cache_size_limit = 1024  # one static compile per shape
+        compiled_tail = torch.compile(unfused_tail, dynamic=False)
+    rows = []
+    for H in args.hidden:
+        w = (torch.rand(H, device=dev) + 0.5).to(torch.bfloat16)
+        for M in args.tokens:
+            x = torch.randn(M, H, device=dev, generator=torch.Generator(dev).manual_seed(rank)
+                            ).to(torch.bfloat16)
+            res = torch.randn(M, H, device=dev, generator=torch.Generator(dev).manual_seed(M)
+                              ).to(torch.bfloat16)
+            row = {"M": M, "H": H, "rs_kernel": on_gpu and seqpar._kernel_fits(ws, x),
+                   "outputs_match": outputs_match(x, res, w, ws)}
+            for name, fn in cases(x, res, w, ws, on_gpu, symm, compiled_tail).items():
+                dist.barrier()
+                try:
+                    us = 0.0 if args.smoke else time_graph_us(fn, prequeue=True)
+                    if args.smoke:
+                        fn()
+                except Exception as e:  # noqa: BLE001 - reported, not fatal
+                    print(f"rank {rank}: {name} M={M} H={H} failed: {e!r}"[:240], flush=True)
+                    us = float("nan")
+                t = torch.tensor([us], dtype=torch.float64, device=dev)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                row[name] = None if t.item() != t.item() else round(t.item(), 2)
+            for fmt in FORMATS:
+                us = row.get(f"dn_rs_{fmt}_gather")
+                row[f"GB/s {fmt}"] = round(sent_bytes(fmt, M, H, world) / us / 1e3, 1) if us else None
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+    if rank == 0 and not args.smoke:
+        write_results(args.out, world, rows)
+    ws.close()
+    dist.barrier()
+    return rows
+
+
+def write_results(out: str, world: int, rows: list) -> None:
+    meta = dict(device=torch.cuda.get_device_name(), world=world, torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d"),
+                command=f"torchrun --nproc-per-node {world} benchmarks/bench_seqpar.py "
+                        + " ".join(sys.argv[1:]))
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    cols = [c for c in rows[0] if c not in ("M", "H")]
+    lines = [f"# Sequence-parallel RS + add + RMSNorm + quant (+ gather), {world} x {meta['device']}",
+             "", f"Command: `{meta['command']}`; torch {meta['torch']}; {meta['date']}. us per call "
+             "(CUDA graph of 20 calls, median, max over ranks); names in benchmarks/bench_seqpar.py.",
+             "", "| M | H | " + " | ".join(cols) + " |", "|---:|---:|" + "---:|" * len(cols)]
+    for r in rows:
+        lines.append(f"| {r['M']} | {r['H']} | " + " | ".join(
+            "" if r[c] is None else str(r[c]) for c in cols) + " |")
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
+    dist.destroy_process_group()

@@ -18,8 +18,9 @@ max over ranks. `GB/s`: the bytes one GPU must send in the fused form -- (N-1)/N
 partial sums, plus (N-1)/N of the gathered q and scales -- over dn_rs_<fmt>_gather's time. Before
 timing, each shape's distnorm outputs are checked bitwise against the fused all-reduce's (residual
 rows of the shard, gathered q and scales); `rs_kernel` says whether the reduce-scatter ran as the
-peer kernel (False: the call did not fit the workspace and took torch.distributed). `--smoke`: the
-check and every case once, no timing (CPU: gloo ranks and a CPU workspace; tests/test_bench_smoke.py).
+peer kernel (False: the call did not fit the workspace and took torch.distributed). Writes <out>.md /
+.json / .png. `--smoke`: the check and every case once, no timing (CPU: gloo ranks and a CPU
+workspace; tests/test_bench_smoke.py).
 """
 from __future__ import annotations
 
@@ -197,6 +198,48 @@ def write_results(out: str, world: int, rows: list) -> None:
             "" if r[c] is None else str(r[c]) for c in cols) + " |")
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
+    try:
+        write_plot(out + ".png", meta, rows)
+    except ImportError as e:  # matplotlib missing: the table is the result
+        print(f"no plot: {e}")
+
+
+PLOTTED = (("dn_rs_fp8_gather", "distnorm RS+norm+FP8, gathered", "-"),
+           ("dn_rs_nvfp4_gather", "distnorm RS+norm+NVFP4, gathered", "-"),
+           ("unfused_fp8", "NCCL RS + torch add/norm/FP8 + NCCL gather", "--"),
+           ("unfused_fp8_comp", "the same, torch part compiled", "--"),
+           ("dn_ar_fp8", "distnorm fused all-reduce+norm+FP8", ":"),
+           ("allreduce_best", "all-reduce alone (best of distnorm / NCCL / symm-mem)", ":"))
+
+
+def write_plot(path: str, meta: dict, rows: list) -> None:
+    """us per call against M, one panel per H (log-log)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hiddens = sorted({r["H"] for r in rows})
+    fig, axes = plt.subplots(1, len(hiddens), figsize=(6 * len(hiddens), 4.5), squeeze=False)
+    for ax, H in zip(axes[0], hiddens):
+        rs = [r for r in rows if r["H"] == H]
+        for key, label, style in PLOTTED:
+            if key == "allreduce_best":
+                vals = [min((r[k] for k in ("dn_ar", "nccl_ar", "symm2") if r.get(k)), default=None)
+                        for r in rs]
+            else:
+                vals = [r.get(key) for r in rs]
+            pts = [(r["M"], v) for r, v in zip(rs, vals) if v]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", linestyle=style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens M")
+        ax.set_ylabel("us per call (max over ranks)")
+        ax.set_title(f"H={H}, {meta['world']} x {meta['device']}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

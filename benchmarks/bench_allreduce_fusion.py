@@ -24,7 +24,7 @@ FI = import_flashinfer()  # before anything imports cutlass
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import time_graph_us, unfused_tail  # noqa: E402
+from common import plot_us_per_m, time_graph_us, unfused_tail  # noqa: E402
 
 import distnorm  # noqa: E402
 from distnorm.collectives import allreduce, allreduce_add_rmsnorm  # noqa: E402
@@ -140,7 +140,7 @@ def main():
         json.dump(dict(meta=meta, rows=rows), open(args.out + ".json", "w"), indent=1)
         write_table(args.out + ".md", meta, rows)
         try:
-            write_plot(args.out + ".png", meta, rows, args.hidden)
+            write_plot(args.out + ".png", meta, rows)
         except Exception as e:  # noqa: BLE001 - matplotlib missing: the table is the result
             print("no plot:", e)
     for fi in fis.values():
@@ -198,30 +198,14 @@ def write_table(path, meta, rows):
     open(path, "w").write("\n".join(lines) + "\n")
 
 
-def write_plot(path, meta, rows, hiddens):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    series = [("dn_fp8", "distnorm AR+norm+fp8 (best algo)"), ("fi_fp8", "FlashInfer AR+norm+fp8 (best)"),
-              ("dn_norm", "distnorm AR+norm"), ("fi_norm", "FlashInfer AR+norm"), ("dn_ar", "distnorm all-reduce"),
-              ("nccl_ar", "NCCL all-reduce"), ("symm", "symm-mem all-reduce (best)"), ("unf_comp", "NCCL + compiled add/norm/fp8")]
-    fig, axes = plt.subplots(1, len(hiddens), figsize=(6 * len(hiddens), 4.5), squeeze=False)
-    for ax, H in zip(axes[0], hiddens):
-        rs = [r for r in rows if r["H"] == H]
-        for key, label in series:
-            pts = [(r["M"], best(r, key) if key not in ("nccl_ar", "unf_comp") else r.get(key)) for r in rs]
-            pts = [(m, v) for m, v in pts if v]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=label, linestyle="-" if key.startswith("dn") else "--")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens M")
-        ax.set_ylabel("us per call (max over ranks)")
-        ax.set_title(f"H={H}, {meta['world']} x {meta['device']}")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def write_plot(path, meta, rows):
+    keys = [("dn_fp8", "distnorm AR+norm+fp8 (best algo)"), ("fi_fp8", "FlashInfer AR+norm+fp8 (best)"),
+            ("dn_norm", "distnorm AR+norm"), ("fi_norm", "FlashInfer AR+norm"), ("dn_ar", "distnorm all-reduce"),
+            ("nccl_ar", "NCCL all-reduce"), ("symm", "symm-mem all-reduce (best)"), ("unf_comp", "NCCL + compiled add/norm/fp8")]
+    plot_us_per_m(path, meta, rows, [
+        (label, "-" if key.startswith("dn") else "--",
+         (lambda r, k=key: r.get(k)) if key in ("nccl_ar", "unf_comp") else (lambda r, k=key: best(r, k)))
+        for key, label in keys])
 
 
 if __name__ == "__main__":

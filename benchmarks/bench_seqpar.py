@@ -35,7 +35,7 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import time_graph_us, unfused_tail  # noqa: E402
+from common import plot_us_per_m, time_graph_us, unfused_tail  # noqa: E402
 
 import distnorm  # noqa: E402
 from distnorm.collectives import seqpar  # noqa: E402
@@ -204,42 +204,19 @@ def write_results(out: str, world: int, rows: list) -> None:
         print(f"no plot: {e}")
 
 
-PLOTTED = (("dn_rs_fp8_gather", "distnorm RS+norm+FP8, gathered", "-"),
-           ("dn_rs_nvfp4_gather", "distnorm RS+norm+NVFP4, gathered", "-"),
-           ("unfused_fp8", "NCCL RS + torch add/norm/FP8 + NCCL gather", "--"),
-           ("unfused_fp8_comp", "the same, torch part compiled", "--"),
-           ("dn_ar_fp8", "distnorm fused all-reduce+norm+FP8", ":"),
-           ("allreduce_best", "all-reduce alone (best of distnorm / NCCL / symm-mem)", ":"))
+def _best_allreduce(r: dict):
+    return min((r[k] for k in ("dn_ar", "nccl_ar", "symm2") if r.get(k)), default=None)
 
 
 def write_plot(path: str, meta: dict, rows: list) -> None:
     """us per call against M, one panel per H (log-log)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    hiddens = sorted({r["H"] for r in rows})
-    fig, axes = plt.subplots(1, len(hiddens), figsize=(6 * len(hiddens), 4.5), squeeze=False)
-    for ax, H in zip(axes[0], hiddens):
-        rs = [r for r in rows if r["H"] == H]
-        for key, label, style in PLOTTED:
-            if key == "allreduce_best":
-                vals = [min((r[k] for k in ("dn_ar", "nccl_ar", "symm2") if r.get(k)), default=None)
-                        for r in rs]
-            else:
-                vals = [r.get(key) for r in rs]
-            pts = [(r["M"], v) for r, v in zip(rs, vals) if v]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", linestyle=style, label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens M")
-        ax.set_ylabel("us per call (max over ranks)")
-        ax.set_title(f"H={H}, {meta['world']} x {meta['device']}")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_us_per_m(path, meta, rows, [
+        ("distnorm RS+norm+FP8, gathered", "-", lambda r: r.get("dn_rs_fp8_gather")),
+        ("distnorm RS+norm+NVFP4, gathered", "-", lambda r: r.get("dn_rs_nvfp4_gather")),
+        ("NCCL RS + torch add/norm/FP8 + NCCL gather", "--", lambda r: r.get("unfused_fp8")),
+        ("the same, torch part compiled", "--", lambda r: r.get("unfused_fp8_comp")),
+        ("distnorm fused all-reduce+norm+FP8", ":", lambda r: r.get("dn_ar_fp8")),
+        ("all-reduce alone (best of distnorm / NCCL / symm-mem)", ":", _best_allreduce)])
 
 
 if __name__ == "__main__":

@@ -109,3 +109,30 @@ def unfused_tail(h_in, res, w, inv, eps: float = 1e-6):
     var = h.float().pow(2).mean(-1, keepdim=True)
     y = h.float() * torch.rsqrt(var + eps) * w.float()
     return h, (y * inv).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def plot_us_per_m(path: str, meta: dict, rows: list, series) -> None:
+    """us per call against M, one log-log panel per H of `rows` (dicts with "M", "H"); series:
+    (label, line style, row -> us or None) per line. Title: meta's world and device."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hiddens = sorted({r["H"] for r in rows})
+    fig, axes = plt.subplots(1, len(hiddens), figsize=(6 * len(hiddens), 4.5), squeeze=False)
+    for ax, H in zip(axes[0], hiddens):
+        rs = [r for r in rows if r["H"] == H]
+        for label, style, value in series:
+            pts = [(r["M"], value(r)) for r in rs]
+            pts = [(m, v) for m, v in pts if v]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", linestyle=style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens M")
+        ax.set_ylabel("us per call (max over ranks)")
+        ax.set_title(f"H={H}, {meta['world']} x {meta['device']}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -148,13 +148,19 @@ def check_op_inputs(x, residual, weight, spec: Optional[QuantSpec], scale, globa
         check_values(x, residual, weight, spec, scale, global_scale)
 
 
-def check_rows_aligned(tensors, M: int) -> None:
-    """At dispatch, on every device: every (name, [M, K] tensor or None) has 16-byte aligned rows
-    (what the kernels' 128-bit accesses need; checked on the CPU too, so both paths accept the
+def check_rows_aligned(tensors, M: int, align: int = 16) -> None:
+    """At dispatch, on every device: every (name, [M, K] tensor or None) has `align`-byte aligned
+    rows (what the kernels' 128-bit accesses need; checked on the CPU too, so both paths accept the
     same inputs)."""
     for name, t in tensors:
-        if t is not None and (t.data_ptr() | (t.stride()[0] * t.element_size() if M > 1 else 0)) % 16:
-            check_aligned(name, t)
+        if t is not None and (t.data_ptr() | (t.stride()[0] * t.element_size() if M > 1 else 0)) % align:
+            check_aligned(name, t, align)
+
+
+def q_alignment(spec: QuantSpec) -> int:
+    """Bytes a q row (and q's data pointer) must be aligned to: the kernels store q in 32-bit words,
+    FP8 codes two words (8 bytes) at a time."""
+    return 4 if spec.packed_fp4 else 8
 
 
 def _check_given(name: str, t, x: Tensor, shape, dtype) -> None:

@@ -8,15 +8,17 @@ custom-op dispatcher costs several microseconds of host time that a decode step 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows_aligned,
-                   copy_outputs, returned_scales)
+from .args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows_aligned, checked_mode,
+                   copy_outputs, q_alignment, returned_scales)
 from .kernels.tiling import cluster_sizes
-from .formats import NormQuantOutput, QuantSpec, kernel_spec, make_quant_spec, spec_code
+from .formats import (NormQuantOutput, QuantSpec, kernel_spec, make_quant_spec, q_dtype, q_shape,
+                      scales_geometry, spec_code)
 from .rows import call_on_rows
 
 
@@ -165,7 +167,9 @@ def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, g
         kernel = kernels.kernel
         if kernel is None:
             kernel = kernels.compile(False)
-    kernel(x, residual, residual_out, weight, y_out, q_out, scales_out, scale, global_scale,
+    scalar = "" if spec is None else spec.info.scalar  # a scalar the format does not take: ignored
+    kernel(x, residual, residual_out, weight, y_out, q_out, scales_out,
+           scale if scalar == "scale" else None, global_scale if scalar == "global_scale" else None,
            float(eps))
 
 
@@ -182,12 +186,60 @@ def _impl(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_o
           scales_out) -> None:
     check_rows_aligned((("x", x), ("residual", residual), ("residual_out", residual_out),
                         ("y_out", y_out)), x.shape[0])
+    if q_out is not None:
+        check_rows_aligned((("q_out", q_out),), x.shape[0], q_alignment(spec))
     if x.is_cuda:
         run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma,
                               residual_out, y_out, q_out, scales_out)
     else:
         _run_reference(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,
                        y_out, q_out, scales_out)
+
+
+def _launch_kernel_checked(x, residual, weight, eps, spec, scale, global_scale, gemma, want_y,
+                           residual_out, y_out, q_out, scales_out) -> Optional[NormQuantOutput]:
+    """The eager CUDA call with the argument checks left to the kernel's entry where it makes them:
+    None when this call must take the Python-checked path (which raises the library's message).
+
+    The compiled kernel's TVM-FFI entry checks, in C++ before it launches, every tensor against its
+    compile-time signature: type (a tensor or None where the variant has one), dtype, rank, H, one
+    row count M for all rows, last-dim stride 1, row-stride divisibility, data-pointer alignment, the
+    device type (tried one by one on H200, 2026-11-24: each raised ValueError / TypeError). The
+    Python checks of the same things cost about 5 us of host time per call (args.py). What the entry
+    cannot know is checked here: eps, a device index shared by every tensor, the format's scalar
+    being given, the exact strides of a scales output. Any failure, including one from the entry,
+    sends the call to the checked path, which raises with the argument's name (or, if every check
+    passes there, re-raises the kernel's own error)."""
+    if type(eps) is not float or not 0.0 <= eps < math.inf or x.shape[0] == 0:
+        return None
+    scalar = "" if spec is None else spec.info.scalar
+    if scalar and (scale if scalar == "scale" else global_scale) is None:
+        return None
+    try:
+        dev = x.get_device()
+        for t in (residual, weight, residual_out, y_out, q_out, scales_out,
+                  scale if scalar == "scale" else global_scale if scalar else None):
+            if t is not None and t.get_device() != dev:
+                return None
+        M, H = x.shape
+        if residual is not None and residual_out is None:
+            residual_out = x.new_empty((M, H))
+        if want_y and y_out is None:
+            y_out = x.new_empty((M, H))
+        if spec is not None:
+            if q_out is None:
+                q_out = x.new_empty(q_shape(spec, M, H), dtype=q_dtype(spec))
+            geo = scales_geometry(spec, M, H)
+            if geo is not None:
+                if scales_out is None:
+                    scales_out = x.new_empty_strided(geo[0], geo[1], dtype=geo[2])
+                elif (scales_out.shape, scales_out.stride(), scales_out.dtype) != geo:
+                    return None
+        run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma,
+                              residual_out, y_out, q_out, scales_out)
+    except Exception:  # noqa: BLE001 - the checked path says what was wrong
+        return None
+    return NormQuantOutput(residual_out, y_out, q_out, returned_scales(spec, scale, scales_out), None)
 
 
 # ---- torch.library registration -----------------------------------------------------------------
@@ -225,7 +277,7 @@ def add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
     quant, q, scales); residual, y and q have x's leading shape, scales the format's shape for the
     flattened M. Outputs passed in are written in place (residual_out may be `residual`).
     """
-    if type(x) is not Tensor or x.dim() != 2:
+    if not isinstance(x, Tensor) or x.dim() != 2:  # subclasses (Parameter) too
         return call_on_rows(add_rmsnorm, x, residual, weight, eps, quant=quant, scale=scale,
                             global_scale=global_scale, group_size=group_size, sf_layout=sf_layout,
                             scale_major=scale_major, scale_ue8m0=scale_ue8m0, gemma=gemma,
@@ -233,8 +285,13 @@ def add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
                             scales_out=scales_out)
     spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
                            scale_major=scale_major, scale_ue8m0=scale_ue8m0)
-    check_op_inputs(x, residual, weight, spec, scale, global_scale, eps)
     want_y = norm_out or spec is None or y_out is not None
+    if x.is_cuda and not checked_mode() and not torch.compiler.is_compiling():
+        out = _launch_kernel_checked(x, residual, weight, eps, spec, scale, global_scale, gemma,
+                                     want_y, residual_out, y_out, q_out, scales_out)
+        if out is not None:
+            return out
+    check_op_inputs(x, residual, weight, spec, scale, global_scale, eps)
     residual_out, y_out, q_out, scales_out = allocate_outputs(
         x, spec, residual is not None, want_y, residual_out, y_out, q_out, scales_out)
     if torch.compiler.is_compiling():

@@ -88,7 +88,7 @@ def allreduce_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor,
     residual=h, y, q, scales, allreduce=T(acc) when allreduce_out), row outputs with x's leading
     shape. algo: "auto" | "lamport" | "oneshot" | "twoshot".
     """
-    if type(x) is not Tensor or x.dim() != 2:
+    if not isinstance(x, Tensor) or x.dim() != 2:  # subclasses (Parameter) too
         return call_on_rows(allreduce_add_rmsnorm, x, residual, weight, eps, workspace=workspace,
                             quant=quant, scale=scale, global_scale=global_scale,
                             group_size=group_size, sf_layout=sf_layout, scale_major=scale_major,
@@ -119,7 +119,7 @@ def allreduce(x: Tensor, *, workspace: Workspace, algo: str = "auto",
     """Plain all-reduce: T(ordered float32 sum of every rank's x), bitwise identical on all ranks.
     x: [..., H] bf16/fp16 (out, when given, of x's shape). Runs the same kernels with no residual,
     no norm output and no quantization."""
-    if type(x) is not Tensor or x.dim() != 2:
+    if not isinstance(x, Tensor) or x.dim() != 2:  # subclasses (Parameter) too
         result = allreduce(as_rows("x", x), workspace=workspace, algo=algo,
                            out=as_rows("out", out, tuple(x.shape[:-1])))
         return out if out is not None else result.view(x.shape)

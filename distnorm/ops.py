@@ -120,15 +120,23 @@ def _writes_where_it_reads(x, residual, residual_out, y_out, q_out) -> bool:
 class _CallKernels:
     """The kernels one call key may launch: split rows (`split` > 1) or, for a call that writes
     where it reads, one CTA per row. Each is compiled on its first use, so an in-place call
-    (vLLM's form) never compiles the split kernel it cannot use (about a second per key)."""
+    (vLLM's form) never compiles the split kernel it cannot use (about a second per key). Also
+    holds what an eager call would otherwise look up on every call (host time): the format's scalar
+    argument and its q dtype."""
 
-    __slots__ = ("key", "split", "kernel", "in_place_kernel")
+    __slots__ = ("key", "split", "kernel", "in_place_kernel", "scalar", "q_dtype", "q_cols",
+                 "has_scales")
 
     def __init__(self, key: tuple):
         self.key = key
         self.split = fused_kernel_key(*key)[-1]
         self.kernel = None
         self.in_place_kernel = None
+        spec, H = key[2], key[1]
+        self.scalar = "" if spec is None else spec.info.scalar  # "scale", "global_scale" or ""
+        self.q_dtype = None if spec is None else q_dtype(spec)
+        self.q_cols = None if spec is None else q_shape(spec, 1, H)[1]
+        self.has_scales = spec is not None and spec.info.scale_dtype is not None
 
     def compile(self, in_place: bool):
         """Compile (or load) and keep the kernel for calls in place or not."""
@@ -140,6 +148,19 @@ class _CallKernels:
         else:
             self.kernel = kernel
         return kernel
+
+    def launch(self, x, residual, weight, eps, scale, global_scale, residual_out, y_out, q_out,
+               scales_out) -> None:
+        """Launch on x's rows (M > 0) with the outputs given; a scalar the format does not take is
+        ignored."""
+        if self.split > 1 and _writes_where_it_reads(x, residual, residual_out, y_out, q_out):
+            kernel = self.in_place_kernel or self.compile(True)
+        else:
+            kernel = self.kernel or self.compile(False)
+        scalar = self.scalar
+        kernel(x, residual, residual_out, weight, y_out, q_out, scales_out,
+               scale if scalar == "scale" else None,
+               global_scale if scalar == "global_scale" else None, float(eps))
 
 
 @functools.cache
@@ -157,20 +178,9 @@ def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, g
     M, H = x.shape
     if M == 0:
         return
-    kernels = _call_kernels(x.dtype, H, spec, residual is not None, gemma, y_out is not None,
-                            _rows_bucket(M))
-    if kernels.split > 1 and _writes_where_it_reads(x, residual, residual_out, y_out, q_out):
-        kernel = kernels.in_place_kernel
-        if kernel is None:
-            kernel = kernels.compile(True)
-    else:
-        kernel = kernels.kernel
-        if kernel is None:
-            kernel = kernels.compile(False)
-    scalar = "" if spec is None else spec.info.scalar  # a scalar the format does not take: ignored
-    kernel(x, residual, residual_out, weight, y_out, q_out, scales_out,
-           scale if scalar == "scale" else None, global_scale if scalar == "global_scale" else None,
-           float(eps))
+    _call_kernels(x.dtype, H, spec, residual is not None, gemma, y_out is not None,
+                  _rows_bucket(M)).launch(x, residual, weight, eps, scale, global_scale,
+                                          residual_out, y_out, q_out, scales_out)
 
 
 def _run_reference(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
@@ -196,6 +206,9 @@ def _impl(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_o
                        y_out, q_out, scales_out)
 
 
+_DENSE = torch.contiguous_format
+
+
 def _launch_kernel_checked(x, residual, weight, eps, spec, scale, global_scale, gemma, want_y,
                            residual_out, y_out, q_out, scales_out) -> Optional[NormQuantOutput]:
     """The eager CUDA call with the argument checks left to the kernel's entry where it makes them:
@@ -204,42 +217,47 @@ def _launch_kernel_checked(x, residual, weight, eps, spec, scale, global_scale, 
     The compiled kernel's TVM-FFI entry checks, in C++ before it launches, every tensor against its
     compile-time signature: type (a tensor or None where the variant has one), dtype, rank, H, one
     row count M for all rows, last-dim stride 1, row-stride divisibility, data-pointer alignment, the
-    device type (tried one by one on H200, 2026-11-24: each raised ValueError / TypeError). The
-    Python checks of the same things cost about 5 us of host time per call (args.py). What the entry
-    cannot know is checked here: eps, a device index shared by every tensor, the format's scalar
-    being given, the exact strides of a scales output. Any failure, including one from the entry,
-    sends the call to the checked path, which raises with the argument's name (or, if every check
-    passes there, re-raises the kernel's own error)."""
-    if type(eps) is not float or not 0.0 <= eps < math.inf or x.shape[0] == 0:
-        return None
-    scalar = "" if spec is None else spec.info.scalar
-    if scalar and (scale if scalar == "scale" else global_scale) is None:
+    device type (tried one by one on H100 and H200, 2026-11-24: each raised ValueError / TypeError)
+    and one device index for all (the CuTe DSL binds every GPU tensor of a signature built from
+    fake tensors to one device-id variable, 4.3.5 and 4.8). The Python checks of the same things
+    cost 5-10 us of host time per call (args.py). What the entry cannot know is checked here: eps,
+    the format's scalar being given, the exact strides of a scales output. Any failure, including
+    one from the entry, sends the call to the checked path, which raises with the argument's name
+    (or, if every check passes there, re-raises the kernel's own error)."""
+    if type(eps) is not float or not 0.0 <= eps < math.inf:
         return None
     try:
-        dev = x.get_device()
-        for t in (residual, weight, residual_out, y_out, q_out, scales_out,
-                  scale if scalar == "scale" else global_scale if scalar else None):
-            if t is not None and t.get_device() != dev:
-                return None
         M, H = x.shape
+        if M == 0:
+            return None
+        kernels = _call_kernels(x.dtype, H, spec, residual is not None, gemma, want_y,
+                                _rows_bucket(M))
+        scalar = kernels.scalar
+        if scalar and (scale if scalar == "scale" else global_scale) is None:
+            return None
+        # empty_like: the cheapest allocation call (host time; torch.empty costs twice as much)
         if residual is not None and residual_out is None:
-            residual_out = x.new_empty((M, H))
+            residual_out = torch.empty_like(x, memory_format=_DENSE)
         if want_y and y_out is None:
-            y_out = x.new_empty((M, H))
-        if spec is not None:
+            y_out = torch.empty_like(x, memory_format=_DENSE)
+        if kernels.q_dtype is not None:
             if q_out is None:
-                q_out = x.new_empty(q_shape(spec, M, H), dtype=q_dtype(spec))
-            geo = scales_geometry(spec, M, H)
-            if geo is not None:
+                q_out = (torch.empty_like(x, dtype=kernels.q_dtype, memory_format=_DENSE)
+                         if kernels.q_cols == H else
+                         x.new_empty((M, kernels.q_cols), dtype=kernels.q_dtype))
+            if kernels.has_scales:
+                geo = scales_geometry(spec, M, H)
                 if scales_out is None:
                     scales_out = x.new_empty_strided(geo[0], geo[1], dtype=geo[2])
                 elif (scales_out.shape, scales_out.stride(), scales_out.dtype) != geo:
                     return None
-        run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma,
-                              residual_out, y_out, q_out, scales_out)
+        kernels.launch(x, residual, weight, eps, scale, global_scale, residual_out, y_out, q_out,
+                       scales_out)
     except Exception:  # noqa: BLE001 - the checked path says what was wrong
         return None
-    return NormQuantOutput(residual_out, y_out, q_out, returned_scales(spec, scale, scales_out), None)
+    # tuple.__new__: the NamedTuple's own __new__ is a Python function (0.4 us of host time)
+    return tuple.__new__(NormQuantOutput, (residual_out, y_out, q_out,
+                                           scale if scalar == "scale" else scales_out, None))
 
 
 # ---- torch.library registration -----------------------------------------------------------------

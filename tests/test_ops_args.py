@@ -247,3 +247,18 @@ def test_parameter_rows_and_ignored_scalars(device):
                                global_scale=torch.tensor([1.0], device=device))
     ref = distnorm.add_rmsnorm(x, res, w, quant="fp8", scale=torch.tensor([0.05], device=device))
     assert torch.equal(_bytes(fp8.q), _bytes(ref.q))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs visible to this process")
+def test_tensors_on_two_gpus_are_refused():
+    """The eager CUDA path leaves the device index to the kernel's entry (one device-id variable
+    per signature): a tensor on another GPU still ends in the library's error naming it."""
+    x, res, w = _inputs((4, 512), "cuda:0")
+    with pytest.raises(ValueError, match="weight must be a"):
+        distnorm.add_rmsnorm(x, res, w.to("cuda:1"))
+    with pytest.raises(ValueError, match="residual must be on cuda:0"):
+        distnorm.add_rmsnorm(x, res.to("cuda:1"), w)
+    with pytest.raises(ValueError, match="residual_out must be on cuda:0"):
+        distnorm.add_rmsnorm(x, res, w, residual_out=torch.empty_like(res, device="cuda:1"))
+    with pytest.raises(ValueError, match="scale must be on cuda:0"):
+        distnorm.add_rmsnorm(x, res, w, quant="fp8", scale=torch.tensor([0.05], device="cuda:1"))

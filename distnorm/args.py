@@ -2,7 +2,9 @@
 allocation, and the tensor views the kernels take.
 
 The eager ops first run the cheap `inputs_look_valid` / `scalar_looks_valid`; only when they say no
-does `check_inputs` run, to raise with the exact reason. Values inside tensors are not read (that
+does `check_inputs` run, to raise with the exact reason. (The single-GPU op on CUDA tensors leaves
+the tensor checks to the compiled kernel's entry and runs these only when that fails:
+ops._launch_kernel_checked.) Values inside tensors are not read (that
 would synchronize with the GPU and break CUDA graphs) unless value checks are on: DISTNORM_CHECK=1
 in the environment, or `distnorm.set_value_checks(True)`; then scale / global_scale must be finite
 and > 0 and x, residual and weight finite, or the call raises ValueError.

@@ -150,19 +150,20 @@ def check_op_inputs(x, residual, weight, spec: Optional[QuantSpec], scale, globa
         check_values(x, residual, weight, spec, scale, global_scale)
 
 
-def check_rows_aligned(tensors, M: int, align: int = 16) -> None:
-    """At dispatch, on every device: every (name, [M, K] tensor or None) has `align`-byte aligned
-    rows (what the kernels' 128-bit accesses need; checked on the CPU too, so both paths accept the
-    same inputs)."""
-    for name, t in tensors:
-        if t is not None and (t.data_ptr() | (t.stride()[0] * t.element_size() if M > 1 else 0)) % align:
-            check_aligned(name, t, align)
+def check_rows_aligned(tensors, M: int) -> None:
+    """At dispatch, on every device: every (name, [M, K] tensor or None[, alignment]) has rows and a
+    data pointer aligned to 16 bytes (what the kernels' 128-bit accesses need) or to its own
+    alignment (q: q_alignment). Checked on the CPU too, so both paths accept the same inputs."""
+    for name, t, *align in tensors:
+        a = align[0] if align else 16
+        if t is not None and (t.data_ptr() | (t.stride()[0] * t.element_size() if M > 1 else 0)) % a:
+            check_aligned(name, t, a)
 
 
-def q_alignment(spec: QuantSpec) -> int:
+def q_alignment(spec: Optional[QuantSpec]) -> int:
     """Bytes a q row (and q's data pointer) must be aligned to: the kernels store q in 32-bit words,
-    FP8 codes two words (8 bytes) at a time."""
-    return 4 if spec.packed_fp4 else 8
+    FP8 codes two words (8 bytes) at a time (no quantization: no q, any value)."""
+    return 4 if spec is None or spec.packed_fp4 else 8
 
 
 def _check_given(name: str, t, x: Tensor, shape, dtype) -> None:
@@ -206,6 +207,15 @@ def allocate_outputs(x: Tensor, spec: Optional[QuantSpec], has_residual: bool, w
                                  f"on {x.device}; got {tuple(scales_out.shape)}, {scales_out.stride()}, "
                                  f"{scales_out.dtype} on {scales_out.device}")
     return residual_out, y_out, q_out, scales_out
+
+
+def kernel_scalars(spec: Optional[QuantSpec], scale, global_scale) -> tuple:
+    """(scale, global_scale) as the kernels take them: the one the format uses (static FP8: scale,
+    NVFP4: global_scale), None for the other (an argument the format does not take is ignored, as
+    the reference ignores it; handed to a kernel compiled without it, its entry would refuse it)."""
+    scalar = "" if spec is None else spec.info.scalar
+    return (scale if scalar == "scale" else None,
+            global_scale if scalar == "global_scale" else None)
 
 
 def returned_scales(spec: Optional[QuantSpec], scale: Optional[Tensor],

@@ -195,9 +195,7 @@ def _run_reference(x, residual, weight, eps, spec, scale, global_scale, gemma, r
 def _impl(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out, q_out,
           scales_out) -> None:
     check_rows_aligned((("x", x), ("residual", residual), ("residual_out", residual_out),
-                        ("y_out", y_out)), x.shape[0])
-    if q_out is not None:
-        check_rows_aligned((("q_out", q_out),), x.shape[0], q_alignment(spec))
+                        ("y_out", y_out), ("q_out", q_out, q_alignment(spec))), x.shape[0])
     if x.is_cuda:
         run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma,
                               residual_out, y_out, q_out, scales_out)

@@ -262,3 +262,32 @@ def test_tensors_on_two_gpus_are_refused():
         distnorm.add_rmsnorm(x, res, w, residual_out=torch.empty_like(res, device="cuda:1"))
     with pytest.raises(ValueError, match="scale must be on cuda:0"):
         distnorm.add_rmsnorm(x, res, w, quant="fp8", scale=torch.tensor([0.05], device="cuda:1"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel-checked path is the CUDA one")
+@pytest.mark.parametrize("name, quant, opts", [v for v in __import__("distnorm.formats", fromlist=["x"])
+                                               .format_variants() if "ue8m0" not in v[0]])
+def test_eager_cuda_calls_skip_the_python_checks(monkeypatch, name, quant, opts):
+    """A good eager CUDA call takes the kernel-checked path (the Python checks would cost it 5-10 us
+    of host time) and gives the checked path's bytes (value checks on force that path)."""
+    from distnorm import ops
+    x, res, w = _inputs((5, 512), "cuda")
+    kw = _kwargs(quant, opts, "cuda")
+    previous = distnorm.set_value_checks(True)
+    try:
+        want = distnorm.add_rmsnorm(x, res, w, 1e-6, norm_out=True, **kw)
+    finally:
+        distnorm.set_value_checks(previous)
+
+    def refuse(*args):
+        raise AssertionError("the Python checks ran")
+    monkeypatch.setattr(ops, "check_op_inputs", refuse)
+    got = distnorm.add_rmsnorm(x, res, w, 1e-6, norm_out=True, **kw)
+    passed = distnorm.add_rmsnorm(x, res, w, 1e-6, norm_out=True, **kw,
+                                  residual_out=torch.empty_like(res), y_out=torch.empty_like(x),
+                                  q_out=None if want.q is None else torch.empty_like(want.q),
+                                  scales_out=None if want.scales is None or quant == "fp8"
+                                  else torch.empty_like(want.scales))
+    for out in (got, passed):
+        for field in ("residual", "y", "q", "scales"):
+            assert torch.equal(_bytes(getattr(out, field)), _bytes(getattr(want, field))), field

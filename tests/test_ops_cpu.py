@@ -155,3 +155,61 @@ def test_in_place_calls_compile_only_the_kernel_they_launch(monkeypatch):
         assert compiled == [1, 4] and launched == [1, 1, 4, 4]
     finally:
         ops._call_kernels.cache_clear()
+
+
+def test_kernel_checked_call_allocates_launches_and_falls_back(monkeypatch):
+    """ops._launch_kernel_checked (the eager CUDA path, here on CPU tensors with a faked kernel):
+    outputs of the format's shapes and dtypes, the format's own scalar only, and None (the checked
+    path) whenever it cannot vouch for the call: the kernel entry refusing, eps, a missing scalar,
+    no rows, a scales output of other strides."""
+    pytest.importorskip("cutlass")
+    import distnorm.kernels.compile as kernel_compile
+    from distnorm import ops
+    from distnorm.formats import make_quant_spec, scales_geometry
+
+    calls, refuse = [], []
+
+    def fake_compile(*key):
+        def kernel(*args):
+            if refuse:
+                raise ValueError("Mismatched Tensor on argument #0")  # as the TVM-FFI entry says
+            calls.append(args)
+        return kernel
+
+    monkeypatch.setattr(kernel_compile, "compiled_fused_norm", fake_compile)
+    ops._call_kernels.cache_clear()
+    try:
+        M, H = 3, 512
+        x, res = torch.randn(M, H).bfloat16(), torch.randn(M, H).bfloat16()
+        w = torch.ones(H).bfloat16()
+        gs, s = torch.tensor([200.0]), torch.tensor([0.05])
+        spec = make_quant_spec("nvfp4")
+        out = ops._launch_kernel_checked(x, res, w, 1e-6, spec, s, gs, False, False,
+                                         None, None, None, None)
+        assert out.residual.shape == (M, H) and out.residual.dtype == x.dtype and out.y is None
+        assert out.q.shape == (M, H // 2) and out.q.dtype == torch.uint8
+        geo = scales_geometry(spec, M, H)
+        assert (out.scales.shape, out.scales.stride(), out.scales.dtype) == geo
+        args = calls[-1]
+        assert args[7] is None and args[8] is gs and args[9] == 1e-6  # scale dropped: not nvfp4's
+        fp8 = ops._launch_kernel_checked(x, res, w, 1e-6, make_quant_spec("fp8"), s, gs, False, True,
+                                         None, None, None, None)
+        assert fp8.q.dtype == torch.float8_e4m3fn and fp8.y.shape == (M, H) and fp8.scales is s
+        assert calls[-1][7] is s and calls[-1][8] is None
+        n = len(calls)
+        for eps in (1, float("nan"), -1.0):
+            assert ops._launch_kernel_checked(x, res, w, eps, spec, None, gs, False, False,
+                                              None, None, None, None) is None
+        assert ops._launch_kernel_checked(x, res, w, 1e-6, spec, None, None, False, False,
+                                          None, None, None, None) is None  # global_scale missing
+        assert ops._launch_kernel_checked(x[:0], res[:0], w, 1e-6, spec, None, gs, False, False,
+                                          None, None, None, None) is None  # no rows
+        bad_scales = torch.empty_strided(geo[0], (1, geo[0][0]), dtype=geo[2])
+        assert ops._launch_kernel_checked(x, res, w, 1e-6, spec, None, gs, False, False,
+                                          None, None, None, bad_scales) is None
+        assert len(calls) == n  # none of these launched
+        refuse.append(True)
+        assert ops._launch_kernel_checked(x, res, w, 1e-6, spec, None, gs, False, False,
+                                          None, None, None, None) is None
+    finally:
+        ops._call_kernels.cache_clear()

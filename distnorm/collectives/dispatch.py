@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from distnorm.args import DTYPE_NAMES, check_rows_aligned
+from distnorm.args import DTYPE_NAMES, check_rows_aligned, kernel_scalars, q_alignment
 from distnorm.collectives.faults import after_launch, raise_if_failed
 from distnorm.collectives.plan import Tuning, plan_launch
 from distnorm.collectives.state import state_of
@@ -72,6 +72,7 @@ def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, resid
     ptrs = state.lamport_table(ws) if algo == "lamport" else ws.buffer_ptrs
     ctas = state.grid_cap(x.device, H, kspec, rows_per_cta)
     err = ws.error_flag_device
+    scale, global_scale = kernel_scalars(spec, scale, global_scale)
     for a in range(0, M, step):
         b = min(M, a + step)
         kernel(x[a:b], _rows(residual, a, b), _rows(residual_out, a, b), weight, _rows(y_out, a, b),
@@ -133,7 +134,8 @@ def run(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out
         scales_out, ar_out, ws, algo: str) -> None:
     """One all-reduce call on checked arguments and allocated outputs."""
     check_rows_aligned((("x", x), ("residual", residual), ("residual_out", residual_out),
-                        ("y_out", y_out), ("allreduce_out", ar_out)), x.shape[0])
+                        ("y_out", y_out), ("allreduce_out", ar_out),
+                        ("q_out", q_out, q_alignment(spec))), x.shape[0])
     if x.is_cuda and ws.p2p_ok:
         run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
                    q_out, scales_out, ar_out, ws, algo)

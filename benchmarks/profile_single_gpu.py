@@ -11,7 +11,9 @@ WarpStateStats -o rep python benchmarks/profile_single_gpu.py --cases nvfp4:1024
 `ncu --import rep.ncu-rep --page source --csv --print-source sass > src.csv` and
 `python benchmarks/profile_single_gpu.py --source src.csv` (opcode mix, stall reasons, hot lines).
 
-A case is variant:M:H with the variants of bench_single_gpu.py. Only the profiled launch sits
+A case is variant:M:H with the variants of bench_single_gpu.py, or compiled_<variant>:M:H for the
+static-shape torch.compile baseline on the same inputs (rows then labelled by kernel name when a
+case launches more than one kernel). Only the profiled launch sits
 between cudaProfilerStart/Stop (compilation and input creation stay outside); ncu flushes the
 caches before it, so it reads from HBM.
 """
@@ -58,6 +60,9 @@ def print_table(path: str, cases: list) -> None:
     data = [r for r in rows[head + 2:] if len(r) == len(names)]
     cols = [(names.index(m), label) for m, label in METRICS if m in names]
     print(f"{'case':26}" + "".join(f"{label:>14}" for _, label in cols))
+    if len(data) != len(cases):  # a case launched several kernels (a compiled baseline may)
+        kernel = names.index("Kernel Name")
+        cases = [r[kernel][:25] for r in data]
     for case, r in zip(cases, data):
         cells = []
         for i, _ in cols:
@@ -101,9 +106,17 @@ def print_source_summary(path: str, top: int = 12) -> None:
 
 
 def case_call(variant: str, M: int, H: int):
+    """One call of a case; variant "compiled_<variant>": the static-shape torch.compile baseline
+    (the reference compiled as bench_single_gpu.py compiles it) on the same inputs."""
+    compiled = variant.startswith("compiled_")
+    variant = variant.removeprefix("compiled_")
     kw = variant_kwargs(variant)
     w = (torch.rand(H, device="cuda") + 0.5).to(torch.bfloat16)
     x, r, outs = _input_set(M, H, w, kw)
+    if compiled:
+        from distnorm.reference import add_rmsnorm_ref
+        fn = torch.compile(add_rmsnorm_ref, dynamic=False)
+        return lambda: fn(x, r, w, 1e-6, **kw)
     return lambda: distnorm.add_rmsnorm(x, r, w, 1e-6, **kw, **outs)
 
 
@@ -150,12 +163,15 @@ def host_breakdown() -> None:
         "add_rmsnorm, allocating": lambda: distnorm.add_rmsnorm(x, r, w, 1e-6, quant="fp8", scale=s),
         "compiled kernel alone (TVM-FFI)": lambda: kernel(x, r, out.residual, w, None, out.q, None,
                                                           s, None, 1e-6),
-        "q.view(torch.int32) (what each call paid before q went unviewed)":
-            lambda: out.q.view(torch.int32),
+        "kernel-checked path (ops._launch_kernel_checked), outputs passed":
+            lambda: ops._launch_kernel_checked(x, r, w, 1e-6, spec, s, None, False, False,
+                                               out.residual, None, out.q, None),
         "run_fused_norm_kernel": lambda: ops.run_fused_norm_kernel(
             x, r, w, 1e-6, spec, s, None, False, out.residual, None, out.q, None),
-        "torch.empty(1, 4096) x2": lambda: (torch.empty(1, 4096, dtype=torch.bfloat16, device="cuda"),
-                                            torch.empty(1, 4096, dtype=torch.float8_e4m3fn, device="cuda")),
+        "Python checks (args.check_op_inputs), skipped on the kernel-checked path":
+            lambda: ops.check_op_inputs(x, r, w, spec, s, None, 1e-6),
+        "torch.empty_like x2 (the allocating path's outputs)": lambda: (
+            torch.empty_like(x), torch.empty_like(x, dtype=torch.float8_e4m3fn)),
     }
     for name, fn in pieces.items():
         print(f"host us per call: {host_us_per_call(fn, 20000, 200):6.2f}  {name}")

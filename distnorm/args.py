@@ -51,7 +51,7 @@ def check_values(x: Tensor, residual, weight: Tensor, spec: Optional[QuantSpec],
     if not _value_checks or torch.compiler.is_compiling() or (
             x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
-    scalar = "" if spec is None else spec.info.scalar
+    scalar = format_scalar(spec)
     for name, t in (("scale", scale), ("global_scale", global_scale)):
         if scalar == name:
             v = float(t.reshape(()).item())
@@ -123,7 +123,7 @@ def check_inputs(x, residual, weight, spec: Optional[QuantSpec], scale, global_s
     if weight.stride(0) != 1 and x.shape[1] > 1:
         raise ValueError(f"weight must be contiguous, got stride {weight.stride(0)}")
     check_eps(eps)
-    scalar = "" if spec is None else spec.info.scalar
+    scalar = format_scalar(spec)
     if scalar == "scale":
         if scale is None:
             raise ValueError(f"scale is required for quant={spec.kind!r} (static per-tensor scale, "
@@ -141,7 +141,7 @@ def check_op_inputs(x, residual, weight, spec: Optional[QuantSpec], scale, globa
     """Every op's input check, on every device: the cheap look first, check_inputs (which raises)
     only when it fails; the value checks when they are on. (Row alignment needs data pointers, which
     torch.compile cannot trace: the ops check it at dispatch, check_rows_aligned.)"""
-    scalar = "" if spec is None else spec.info.scalar
+    scalar = format_scalar(spec)
     if (not inputs_look_valid(x, residual, weight, spec, eps)
             or (scalar == "scale" and not scalar_looks_valid(scale, x))
             or (scalar == "global_scale" and not scalar_looks_valid(global_scale, x))):
@@ -209,11 +209,15 @@ def allocate_outputs(x: Tensor, spec: Optional[QuantSpec], has_residual: bool, w
     return residual_out, y_out, q_out, scales_out
 
 
-def kernel_scalars(spec: Optional[QuantSpec], scale, global_scale) -> tuple:
-    """(scale, global_scale) as the kernels take them: the one the format uses (static FP8: scale,
-    NVFP4: global_scale), None for the other (an argument the format does not take is ignored, as
-    the reference ignores it; handed to a kernel compiled without it, its entry would refuse it)."""
-    scalar = "" if spec is None else spec.info.scalar
+def format_scalar(spec: Optional[QuantSpec]) -> str:
+    """The scalar argument the format takes: "scale" (static FP8), "global_scale" (NVFP4) or ""."""
+    return "" if spec is None else spec.info.scalar
+
+
+def kernel_scalars(scalar: str, scale, global_scale) -> tuple:
+    """(scale, global_scale) as the kernels take them for a format whose scalar is `scalar`
+    (format_scalar): the one it uses, None for the other (an argument the format does not take is
+    ignored, as the reference ignores it; a kernel compiled without it would refuse it)."""
     return (scale if scalar == "scale" else None,
             global_scale if scalar == "global_scale" else None)
 

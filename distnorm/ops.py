@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows_aligned, checked_mode,
-                   copy_outputs, q_alignment, returned_scales)
+                   copy_outputs, format_scalar, kernel_scalars, q_alignment, returned_scales)
 from .kernels.tiling import cluster_sizes
 from .formats import (NormQuantOutput, QuantSpec, kernel_spec, make_quant_spec, q_dtype, q_shape,
                       scales_geometry, spec_code)
@@ -133,7 +133,7 @@ class _CallKernels:
         self.kernel = None
         self.in_place_kernel = None
         spec, H = key[2], key[1]
-        self.scalar = "" if spec is None else spec.info.scalar  # "scale", "global_scale" or ""
+        self.scalar = format_scalar(spec)
         self.q_dtype = None if spec is None else q_dtype(spec)
         self.q_cols = None if spec is None else q_shape(spec, 1, H)[1]
         self.has_scales = spec is not None and spec.info.scale_dtype is not None
@@ -157,10 +157,8 @@ class _CallKernels:
             kernel = self.in_place_kernel or self.compile(True)
         else:
             kernel = self.kernel or self.compile(False)
-        scalar = self.scalar
         kernel(x, residual, residual_out, weight, y_out, q_out, scales_out,
-               scale if scalar == "scale" else None,
-               global_scale if scalar == "global_scale" else None, float(eps))
+               *kernel_scalars(self.scalar, scale, global_scale), float(eps))
 
 
 @functools.cache

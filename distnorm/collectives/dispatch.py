@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from distnorm.args import DTYPE_NAMES, check_rows_aligned, kernel_scalars, q_alignment
+from distnorm.args import (DTYPE_NAMES, check_rows_aligned, format_scalar, kernel_scalars,
+                           q_alignment)
 from distnorm.collectives.faults import after_launch, raise_if_failed
 from distnorm.collectives.plan import Tuning, plan_launch
 from distnorm.collectives.state import state_of
@@ -72,7 +73,7 @@ def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, resid
     ptrs = state.lamport_table(ws) if algo == "lamport" else ws.buffer_ptrs
     ctas = state.grid_cap(x.device, H, kspec, rows_per_cta)
     err = ws.error_flag_device
-    scale, global_scale = kernel_scalars(spec, scale, global_scale)
+    scale, global_scale = kernel_scalars(format_scalar(spec), scale, global_scale)
     for a in range(0, M, step):
         b = min(M, a + step)
         kernel(x[a:b], _rows(residual, a, b), _rows(residual_out, a, b), weight, _rows(y_out, a, b),

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from distnorm.args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows,
-                           kernel_scalars, returned_scales)
+                           format_scalar, kernel_scalars, returned_scales)
 from distnorm.collectives.ops import _handle, _workspace
 from distnorm.collectives.faults import after_launch, raise_if_failed
 from distnorm.collectives.rowsplit import (gather_rows, reduce_rows, scales_to_layout,
@@ -202,7 +202,7 @@ def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scal
     state.check_signal_pad(ws)
     raise_if_failed(ws)
     kernel(x, residual, residual_out, weight, y_out, q_out, scales_out,
-           *kernel_scalars(spec, scale, global_scale), None,
+           *kernel_scalars(format_scalar(spec), scale, global_scale), None,
            ws.buffer_ptrs, ws.signal_ptrs, ws.error_flag_device, ws.rank,
            state.grid_cap(x.device, x.shape[1], kspec, 0), float(eps), state.tuning.timeout_ns)
     after_launch(ws, x.device)

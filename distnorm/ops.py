@@ -17,8 +17,7 @@ from torch import Tensor
 from .args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows_aligned, checked_mode,
                    copy_outputs, format_scalar, kernel_scalars, q_alignment, returned_scales)
 from .kernels.tiling import cluster_sizes
-from .formats import (NormQuantOutput, QuantSpec, kernel_spec, make_quant_spec, q_dtype, q_shape,
-                      scales_geometry, spec_code)
+from .formats import NormQuantOutput, QuantSpec, kernel_spec, make_quant_spec, spec_code
 from .rows import call_on_rows
 
 
@@ -121,22 +120,16 @@ class _CallKernels:
     """The kernels one call key may launch: split rows (`split` > 1) or, for a call that writes
     where it reads, one CTA per row. Each is compiled on its first use, so an in-place call
     (vLLM's form) never compiles the split kernel it cannot use (about a second per key). Also
-    holds what an eager call would otherwise look up on every call (host time): the format's scalar
-    argument and its q dtype."""
+    holds the format's scalar argument, which an eager call would otherwise look up (host time)."""
 
-    __slots__ = ("key", "split", "kernel", "in_place_kernel", "scalar", "q_dtype", "q_cols",
-                 "has_scales")
+    __slots__ = ("key", "split", "kernel", "in_place_kernel", "scalar")
 
     def __init__(self, key: tuple):
         self.key = key
         self.split = fused_kernel_key(*key)[-1]
         self.kernel = None
         self.in_place_kernel = None
-        spec, H = key[2], key[1]
-        self.scalar = format_scalar(spec)
-        self.q_dtype = None if spec is None else q_dtype(spec)
-        self.q_cols = None if spec is None else q_shape(spec, 1, H)[1]
-        self.has_scales = spec is not None and spec.info.scale_dtype is not None
+        self.scalar = format_scalar(key[2])
 
     def compile(self, in_place: bool):
         """Compile (or load) and keep the kernel for calls in place or not."""
@@ -202,9 +195,6 @@ def _impl(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_o
                        y_out, q_out, scales_out)
 
 
-_DENSE = torch.contiguous_format
-
-
 def _launch_kernel_checked(x, residual, weight, eps, spec, scale, global_scale, gemma, want_y,
                            residual_out, y_out, q_out, scales_out) -> Optional[NormQuantOutput]:
     """The eager CUDA call with the argument checks left to the kernel's entry where it makes them:
@@ -231,29 +221,16 @@ def _launch_kernel_checked(x, residual, weight, eps, spec, scale, global_scale, 
         scalar = kernels.scalar
         if scalar and (scale if scalar == "scale" else global_scale) is None:
             return None
-        # empty_like: the cheapest allocation call (host time; torch.empty costs twice as much)
-        if residual is not None and residual_out is None:
-            residual_out = torch.empty_like(x, memory_format=_DENSE)
-        if want_y and y_out is None:
-            y_out = torch.empty_like(x, memory_format=_DENSE)
-        if kernels.q_dtype is not None:
-            if q_out is None:
-                q_out = (torch.empty_like(x, dtype=kernels.q_dtype, memory_format=_DENSE)
-                         if kernels.q_cols == H else
-                         x.new_empty((M, kernels.q_cols), dtype=kernels.q_dtype))
-            if kernels.has_scales:
-                geo = scales_geometry(spec, M, H)
-                if scales_out is None:
-                    scales_out = x.new_empty_strided(geo[0], geo[1], dtype=geo[2])
-                elif (scales_out.shape, scales_out.stride(), scales_out.dtype) != geo:
-                    return None
+        residual_out, y_out, q_out, scales_out = allocate_outputs(
+            x, spec, residual is not None, want_y, residual_out, y_out, q_out, scales_out,
+            check_given=False)
         kernels.launch(x, residual, weight, eps, scale, global_scale, residual_out, y_out, q_out,
                        scales_out)
     except Exception:  # noqa: BLE001 - the checked path says what was wrong
         return None
     # tuple.__new__: the NamedTuple's own __new__ is a Python function (0.4 us of host time)
     return tuple.__new__(NormQuantOutput, (residual_out, y_out, q_out,
-                                           scale if scalar == "scale" else scales_out, None))
+                                           returned_scales(spec, scale, scales_out), None))
 
 
 # ---- torch.library registration -----------------------------------------------------------------

@@ -120,18 +120,20 @@ class LamportOneShot:
         slot_bytes = Int64(m) * hidden * elem_bytes  # one slot: this call's M rows of T
         nv = t.vecs_per_thread
 
-        bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
+        bufs, _, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
                                                                          lane)
-        rAll = cute.make_rmem_tensor(cute.make_layout(world * nv * 4), Int32)  # N slots' words
+        # N slots' words; fragments of rows are read and written as words only (NOTE in
+        # NormQuantCore.widen: a fragment read through two views was miscompiled)
+        rAll = cute.make_rmem_tensor(cute.make_layout(world * nv * 4), Int32)
         rAll.fill(0)
-        rTw = cute.recast_tensor(rT, Int32)
-        rAllT = cute.recast_tensor(rAll, dtype)
+        rTw = self.core.zero_words()
+        half = "bf16" if dtype is cutlass.BFloat16 else "f16"
 
         # the first row's load is issued before the state loads (their inline asm orders memory
         # accesses): at one row per CTA the two latencies overlap instead of adding up
         row0 = bidx * t.rows_per_cta + row_in_cta
         if row0 < m:
-            self.core.load_row(rT, cute.zipped_divide(mX[row0, None], (VEC,)), lane)
+            self.core.load_row16(rTw, mX[row0, None], lane)
 
         # call state (NOTE [lamport call state])
         state = mSig[rank] + Int64(region_word(REGION_LAMPORT) * 4)
@@ -162,7 +164,7 @@ class LamportOneShot:
             row = g * t.rows_per_cta + row_in_cta
             if row < m:
                 if g != bidx:  # the first row is already loaded
-                    self.core.load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
+                    self.core.load_row16(rTw, mX[row, None], lane)
                 for i in cutlass.range_constexpr(nv * 4):
                     rTw[i] = sanitize_word(rTw[i])
                 off = slot_bytes * Int64(rank) + Int64(row) * hidden * elem_bytes
@@ -268,11 +270,14 @@ class LamportOneShot:
                         if Int32(s) != rank:
                             st_volatile_sys_v4_u32(mSig[rank] + hdr_area + Int64(s * 16), sent,
                                                    sent, sent, sent)
-                rH.store(cute.make_tensor(rAllT.iterator, cute.make_layout(nv * VEC)).load()
-                         .to(Float32))
+                # float32 sum over the slots in rank order (the other algorithms' order)
+                for i in cutlass.range_constexpr(nv * 4):
+                    rH[2 * i], rH[2 * i + 1] = self.core.word_values(rAll[i], half)
                 for s in cutlass.range_constexpr(1, world):
-                    part = cute.make_tensor(rAllT.iterator + s * nv * VEC, cute.make_layout(nv * VEC))
-                    rH.store(rH.load() + part.load().to(Float32))
+                    for i in cutlass.range_constexpr(nv * 4):
+                        lo, hi = self.core.word_values(rAll[s * nv * 4 + i], half)
+                        rH[2 * i] = rH[2 * i] + lo
+                        rH[2 * i + 1] = rH[2 * i + 1] + hi
                 self._finish_row(rH, rR, mAR, mRout, row, lane, dtype)
             self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW,
                                mY, mQ, mS, static_inv, global_scale, bufs, rW)

@@ -137,21 +137,38 @@ class NormQuantCore:
 
     @cute.jit
     def widen(self, dst, src):
-        """dst (float32 fragment) <- src (16-bit fragment of the same size), read as packed words.
-        bf16 is the high half of a float32, so each word gives its two values with one shift and
-        one mask (the generic conversion first moves the high half down with a byte permute: three
-        instructions per pair instead of two). fp16 is read as words too, never through the
-        fragment's fp16 view: add_packed writes the fragment as words, and reading it through both
-        views was miscompiled (measured on H200, CuTe DSL 4.3.5: fp16, 8 vectors per thread, rows
-        split over 4 CTAs: part 1 stored vector column 0's residual in column 1)."""
+        """dst (float32 fragment) <- src (16-bit fragment of the same size), read as packed words
+        (word_values). fp16 is read as words too, never through the fragment's fp16 view:
+        add_packed writes the fragment as words, and reading it through both views was miscompiled
+        (measured on H200, CuTe DSL 4.3.5: fp16, 8 vectors per thread, rows split over 4 CTAs:
+        part 1 stored vector column 0's residual in column 1)."""
         words = cute.recast_tensor(src, Int32)
+        half = _half_name(src.element_type)
         for i in cutlass.range_constexpr(cute.size(src) // 2):
-            if const_expr(_half_name(src.element_type) == "bf16"):
-                dst[2 * i] = ptx.bits_f32(words[i] << 16)
-                dst[2 * i + 1] = ptx.bits_f32(words[i] & Int32(-65536))
-            else:
-                dst[2 * i] = ptx.f16_to_f32(words[i], False)
-                dst[2 * i + 1] = ptx.f16_to_f32(words[i], True)
+            dst[2 * i], dst[2 * i + 1] = self.word_values(words[i], half)
+
+    @staticmethod
+    def word_values(word: Int32, half: str):
+        """The float32 values (low half, high half) of a word of two packed 16-bit floats (`half`:
+        "bf16" or "f16"), exact. bf16 is the high half of a float32, so each takes one shift or one
+        mask (the generic conversion first moves the high half down with a byte permute: three
+        instructions per pair instead of two)."""
+        if half == "bf16":
+            return ptx.bits_f32(word << 16), ptx.bits_f32(word & Int32(-65536))
+        return ptx.f16_to_f32(word, False), ptx.f16_to_f32(word, True)
+
+    def zero_words(self):
+        """A zero-filled int32 fragment holding this thread's vectors of one 16-bit row as packed
+        words (load_row16)."""
+        frag = cute.make_rmem_tensor(cute.make_layout(self.t.vecs_per_thread * VEC // 2), Int32)
+        frag.fill(0)
+        return frag
+
+    def load_row16(self, dst, mRow, lane: Int32):
+        """dst (zero_words) <- row thread `lane`'s vectors of the 16-bit row mRow, moved as packed
+        words: a fragment that is read and written as words only (NOTE in widen)."""
+        self._copy_row(dst, cute.zipped_divide(cute.recast_tensor(mRow, Int32), (VEC // 2,)), lane,
+                       False, None, VEC // 2)
 
     def store_row16(self, src, mRow, lane: Int32, part=None):
         """Row thread `lane`'s vectors of the 16-bit row mRow <- src (a fragment of the row's

@@ -162,15 +162,17 @@ def _capacity_rows(algo, world, H, spec):
         return max_chunk_rows(algo, world, 1 << 30, H, 2, BUFFER_BYTES, False, True)
 
 
-def _one_case(ws, boot, algo, qname, M, H, seed):
+def _one_case(ws, boot, algo, qname, M, H, seed, dtype=torch.bfloat16):
     """One call checked here against the reference; returns the outputs' digests. Every collective
     (the all-gather of x, the two ops) comes before the first check, so a failed check on one rank
-    never leaves the others in a collective."""
+    never leaves the others in a collective. fp16 inputs carry no +-B terms (2^18 is past fp16's
+    range)."""
     from distnorm.collectives import allreduce, allreduce_add_rmsnorm
     from distnorm.reference import allreduce_add_rmsnorm_ref, allreduce_ref
 
     kw, spec = _kwargs(qname)
-    x, res, w = _inputs(M, H, ws.rank, seed, world=ws.world_size)
+    x, res, w = _inputs(M, H, ws.rank, seed, dtype,
+                        world=ws.world_size if dtype == torch.bfloat16 else None)
     xs = _all_gather(x)
     ref = allreduce_add_rmsnorm_ref(xs, res, w, 1e-6, norm_out=True, allreduce_out=True, **kw)
     outs = _poisoned_outs(spec, M, H, x.dtype)
@@ -204,6 +206,25 @@ def _body_grid(algo: str) -> None:
                         _assert_same_across_ranks(boot, digests)
                     except AssertionError as e:
                         raise AssertionError(f"{algo} {qname} M={M} H={H}: {e}") from None
+        ws.barrier()
+
+
+def _body_fp16() -> None:
+    """fp16 activations through every algorithm (the grids run bf16). The kernels move fp16 rows
+    as packed words and widen both halves of each word (NormQuantCore.word_values), so a half
+    taken from the wrong word or position shows here."""
+    from distnorm.comm import Workspace
+    boot = _boot()
+    with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
+        for algo in ALGOS:
+            for qname in ("none", "fp8_per_token", "nvfp4"):
+                for M in (1, 300):
+                    try:
+                        digests = _gathered_check(boot, _one_case, ws, boot, algo, qname, M, 4096,
+                                                  9000 + M, torch.float16)
+                        _assert_same_across_ranks(boot, digests)
+                    except AssertionError as e:
+                        raise AssertionError(f"fp16 {algo} {qname} M={M}: {e}") from None
         ws.barrier()
 
 
@@ -571,6 +592,10 @@ def test_allreduce_add_rmsnorm_grid(algo):
 @pytest.mark.parametrize("algo", ALGOS)
 def test_cuda_graph_replays(algo):
     run_distributed(_body_graph, algo, GRAPH_REPLAYS, timeout_s=TIMEOUT_S)
+
+
+def test_fp16_activations():
+    run_distributed(_body_fp16, timeout_s=TIMEOUT_S)
 
 
 def test_back_to_back_changing_m():

@@ -81,6 +81,15 @@ def _body() -> None:
         distnorm.reduce_scatter_add_rmsnorm(torch.zeros(8, H, dtype=torch.bfloat16),
                                             torch.zeros(8, H, dtype=torch.bfloat16), w,
                                             workspace=ws)
+    # rows that do not start at 16-byte boundaries: the library's message, on the CPU as on GPUs
+    with pytest.raises(ValueError, match="x rows must start at 16-byte"):
+        distnorm.reduce_scatter_add_rmsnorm(torch.zeros(8, H + 1, dtype=torch.bfloat16)[:, 1:],
+                                            None, w, workspace=ws)
+    a, b = distnorm.shard_rows(8, ws)
+    with pytest.raises(ValueError, match="residual rows must start at 16-byte"):
+        distnorm.reduce_scatter_add_rmsnorm(torch.zeros(8, H, dtype=torch.bfloat16),
+                                            torch.zeros(b - a, H + 4, dtype=torch.bfloat16)[:, 4:],
+                                            w, workspace=ws)
     ws.close()
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from distnorm.args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows,
-                           format_scalar, kernel_scalars, returned_scales)
+                           check_rows_aligned, format_scalar, kernel_scalars, returned_scales)
 from distnorm.collectives.ops import _handle, _workspace
 from distnorm.collectives.faults import after_launch, raise_if_failed
 from distnorm.collectives.rowsplit import (gather_rows, reduce_rows, scales_to_layout,
@@ -105,10 +105,13 @@ def reduce_scatter_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Te
 
 def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, gather,
          workspace) -> NormQuantOutput:
-    """reduce_scatter_add_rmsnorm on checked, 2-D arguments."""
+    """reduce_scatter_add_rmsnorm on checked, 2-D arguments (row alignment checked here, at
+    dispatch: torch.compile's fake tensors have no addresses)."""
     group, world, rank = _group_of(workspace)
     M, H = x2.shape
     start, stop = slice_bounds(M, world, rank)
+    check_rows_aligned((("x", x2),), M)
+    check_rows_aligned((("residual", residual),), stop - start)
     want_y = norm_out or spec is None
     local = stop - start
     has_scales = spec is not None and scales_geometry(spec, M, H) is not None

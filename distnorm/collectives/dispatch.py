@@ -72,14 +72,17 @@ def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, resid
     raise_if_failed(ws)  # pinned words: cheap; a failed workspace launches nothing until reset
     ptrs = state.lamport_table(ws) if algo == "lamport" else ws.buffer_ptrs
     ctas = state.grid_cap(x.device, H, kspec, rows_per_cta)
-    err = ws.error_flag_device
     scale, global_scale = kernel_scalars(format_scalar(spec), scale, global_scale)
-    for a in range(0, M, step):
-        b = min(M, a + step)
-        kernel(x[a:b], _rows(residual, a, b), _rows(residual_out, a, b), weight, _rows(y_out, a, b),
-               _rows(q_out, a, b), _scale_rows(spec, scales_out, a, b), scale, global_scale,
-               _rows(ar_out, a, b), ptrs, ws.signal_ptrs, err, ws.rank, ctas, float(eps),
-               tuning.timeout_ns)
+    tail = (ptrs, ws.signal_ptrs, ws.error_flag_device, ws.rank, ctas, float(eps), tuning.timeout_ns)
+    if step >= M:  # one launch: the tensors as given (six row slices cost microseconds of host time)
+        kernel(x, residual, residual_out, weight, y_out, q_out, scales_out, scale, global_scale,
+               ar_out, *tail)
+    else:
+        for a in range(0, M, step):
+            b = min(M, a + step)
+            kernel(x[a:b], _rows(residual, a, b), _rows(residual_out, a, b), weight,
+                   _rows(y_out, a, b), _rows(q_out, a, b), _scale_rows(spec, scales_out, a, b),
+                   scale, global_scale, _rows(ar_out, a, b), *tail)
     after_launch(ws, x.device)
 
 

@@ -27,6 +27,7 @@ from distnorm.collectives.layout import (CALL_W_LAMPORT_HDR, DESCRIPTOR_WORDS, D
                                          LAMPORT_SENTINEL_I32, LAMPORT_W_AREA, LAMPORT_W_ARRIVE,
                                          LAMPORT_W_VECS, MAX_WORLD, REGION_LAMPORT, region_word)
 from distnorm.formats import VEC
+from distnorm.kernels.norm_quant import half_name
 from distnorm.kernels.sync import (SPIN_CHECK_MASK, atom_add_acq_rel_gpu_u32, globaltimer_ns,
                                    ld_volatile_sys_u32, ld_volatile_sys_v4_u32, record_mismatch,
                                    record_timeout, st_volatile_sys_v4_u32, st_volatile_u32)
@@ -127,7 +128,7 @@ class LamportOneShot:
         rAll = cute.make_rmem_tensor(cute.make_layout(world * nv * 4), Int32)
         rAll.fill(0)
         rTw = self.core.zero_words()
-        half = "bf16" if dtype is cutlass.BFloat16 else "f16"
+        half = half_name(dtype)
 
         # the first row's load is issued before the state loads (their inline asm orders memory
         # accesses): at one row per CTA the two latencies overlap instead of adding up

@@ -35,7 +35,7 @@ from distnorm.kernels.tiling import RowTiling
 
 RCP_E2M1_MAX = float(np.float32(1.0) / np.float32(E2M1_MAX))  # = rcp.rn(6.0), folded at trace time
 
-def _half_name(dtype) -> str:
+def half_name(dtype) -> str:
     """PTX name of a 16-bit activation dtype."""
     return "bf16" if dtype is cutlass.BFloat16 else "f16"
 
@@ -131,7 +131,7 @@ class NormQuantCore:
         conversions, an add, a conversion back and a repack per element."""
         wA = cute.recast_tensor(rA, Int32)
         wB = cute.recast_tensor(rB, Int32)
-        half = _half_name(rA.element_type)
+        half = half_name(rA.element_type)
         for i in cutlass.range_constexpr(self.t.vecs_per_thread * VEC // 2):
             wA[i] = ptx.add_x2(wA[i], wB[i], half)
 
@@ -143,7 +143,7 @@ class NormQuantCore:
         (measured on H200, CuTe DSL 4.3.5: fp16, 8 vectors per thread, rows split over 4 CTAs:
         part 1 stored vector column 0's residual in column 1)."""
         words = cute.recast_tensor(src, Int32)
-        half = _half_name(src.element_type)
+        half = half_name(src.element_type)
         for i in cutlass.range_constexpr(cute.size(src) // 2):
             dst[2 * i], dst[2 * i + 1] = self.word_values(words[i], half)
 

@@ -272,13 +272,12 @@ class LamportOneShot:
                             st_volatile_sys_v4_u32(mSig[rank] + hdr_area + Int64(s * 16), sent,
                                                    sent, sent, sent)
                 # float32 sum over the slots in rank order (the other algorithms' order)
-                for i in cutlass.range_constexpr(nv * 4):
-                    rH[2 * i], rH[2 * i + 1] = self.core.word_values(rAll[i], half)
-                for s in cutlass.range_constexpr(1, world):
+                for s in cutlass.range_constexpr(world):
                     for i in cutlass.range_constexpr(nv * 4):
                         lo, hi = self.core.word_values(rAll[s * nv * 4 + i], half)
-                        rH[2 * i] = rH[2 * i] + lo
-                        rH[2 * i + 1] = rH[2 * i + 1] + hi
+                        if const_expr(s > 0):
+                            lo, hi = rH[2 * i] + lo, rH[2 * i + 1] + hi
+                        rH[2 * i], rH[2 * i + 1] = lo, hi
                 self._finish_row(rH, rR, mAR, mRout, row, lane, dtype)
             self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW,
                                mY, mQ, mS, static_inv, global_scale, bufs, rW)

@@ -188,6 +188,17 @@ def _one_case(ws, boot, algo, qname, M, H, seed, dtype=torch.bfloat16):
     return _digests(out, spec)
 
 
+def _checked_on_every_rank(boot, ws, what: str, algo, qname, M, H, seed,
+                           dtype=torch.bfloat16) -> None:
+    """_one_case on every rank (failures gathered), then its outputs compared across ranks; an
+    AssertionError names the case as `what`."""
+    try:
+        digests = _gathered_check(boot, _one_case, ws, boot, algo, qname, M, H, seed, dtype)
+        _assert_same_across_ranks(boot, digests)
+    except AssertionError as e:
+        raise AssertionError(f"{what}: {e}") from None
+
+
 def _body_grid(algo: str) -> None:
     from distnorm.comm import Workspace
     boot = _boot()
@@ -201,11 +212,8 @@ def _body_grid(algo: str) -> None:
                     if M == "cap+1":
                         M = _capacity_rows(algo, ws.world_size, H, spec) + 1
                     seed += 1
-                    try:
-                        digests = _gathered_check(boot, _one_case, ws, boot, algo, qname, M, H, seed)
-                        _assert_same_across_ranks(boot, digests)
-                    except AssertionError as e:
-                        raise AssertionError(f"{algo} {qname} M={M} H={H}: {e}") from None
+                    _checked_on_every_rank(boot, ws, f"{algo} {qname} M={M} H={H}", algo, qname,
+                                           M, H, seed)
         ws.barrier()
 
 
@@ -219,12 +227,8 @@ def _body_fp16() -> None:
         for algo in ALGOS:
             for qname in ("none", "fp8_per_token", "nvfp4"):
                 for M in (1, 300):
-                    try:
-                        digests = _gathered_check(boot, _one_case, ws, boot, algo, qname, M, 4096,
-                                                  9000 + M, torch.float16)
-                        _assert_same_across_ranks(boot, digests)
-                    except AssertionError as e:
-                        raise AssertionError(f"fp16 {algo} {qname} M={M}: {e}") from None
+                    _checked_on_every_rank(boot, ws, f"fp16 {algo} {qname} M={M}", algo, qname,
+                                           M, 4096, 9000 + M, torch.float16)
         ws.barrier()
 
 
@@ -315,11 +319,8 @@ def _body_lamport_chunks() -> None:
         for M, qname in ((cap, "fp8"), (cap + 1, "fp8"), (7 * cap + 3, "fp8_per_token"),
                          (5 * cap, "none"), (1, "none")):
             assert choose_algo("auto", ws.world_size, cap + 1, H, 2, ws.buffer_bytes) != "lamport"
-            try:
-                digests = _gathered_check(boot, _one_case, ws, boot, "lamport", qname, M, H, 7000 + M)
-                _assert_same_across_ranks(boot, digests)
-            except AssertionError as e:
-                raise AssertionError(f"lamport chunks cap={cap} M={M} {qname}: {e}") from None
+            _checked_on_every_rank(boot, ws, f"lamport chunks cap={cap} M={M} {qname}", "lamport",
+                                   qname, M, H, 7000 + M)
         ws.barrier()
 
 

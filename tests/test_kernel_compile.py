@@ -31,10 +31,14 @@ for q in variants:
     # long decode rows: split clusters, fp16 (its register fragments read as words)
     compiled_fused_norm("float16", 32768, q, True, False, True, 4, True, split)
     done.append((q.kind, 32768, split))
+    # the no-peer all-reduce's epilogue: x [slots, M, H] summed over the slots (NOTE [slots])
+    compiled_fused_norm("bfloat16", 4096, q, True, False, q.kind == "none", 1, True, 1, 2)
+    compiled_fused_norm("float16", 8192, q, False, False, True, 1, True, split, 8)
+    done.append((q.kind, 4096, "slots"))
 """
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_single_gpu_kernels_compile(arch):
-    assert compile_in_subprocess(BODY, arch) == 54
+    assert compile_in_subprocess(BODY, arch) == 63
 

@@ -166,18 +166,7 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
             if Int32(s) == rank:
                 src = own
             self.core.load_row(rT, self._row_view(src, Int64(0), dtype), lane)
-            if const_expr(s == 0):
-                rH.store(rT.load().to(Float32))
-            else:
-                rH.store(rH.load() + rT.load().to(Float32))
-
-    @cute.jit
-    def _add_residual(self, rH, rR, dtype: cutlass.Constexpr):
-        """rH: float32 acc -> float(h), h = T(acc + float(res)) (one rounding) or T(acc)."""
-        if const_expr(self.has_residual):
-            rH.store((rH.load() + rR.load().to(Float32)).to(dtype).to(Float32))
-        else:
-            rH.store(rH.load().to(dtype).to(Float32))
+            self.core.fold(rH, rT, s)
 
     @cute.jit
     def _finish_row(self, rH, rR, mAR, mRout, row: Int32, lane: Int32, dtype: cutlass.Constexpr):
@@ -185,7 +174,7 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
         h -> residual_out; rH is left holding float(h) for the epilogue."""
         if const_expr(self.write_allreduce):
             self.core.store_row(rH, cute.zipped_divide(mAR[row, None], (VEC,)), lane, dtype)
-        self._add_residual(rH, rR, dtype)
+        self.core.round_sum(rH, rR, self.has_residual, dtype)
         if const_expr(self.has_residual):
             self.core.store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype)
 
@@ -419,7 +408,7 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
                     rA.store(rH.load())
                 if const_expr(self.has_residual):
                     self.core.load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
-                self._add_residual(rH, rR, dtype)
+                self.core.round_sum(rH, rR, self.has_residual, dtype)
                 for s in cutlass.range_constexpr(self.world):
                     if Int32(s) != rank:
                         peer = mBuf[s]

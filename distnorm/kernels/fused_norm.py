@@ -41,13 +41,22 @@ MIN_PAD_WORDS = 4
 # the host then never splits (ops._writes_where_it_reads). A row spread over a cluster is split
 # into S clusters the same way (`group` counts clusters).
 
+# NOTE [slots]
+# Without peer memory an all-reduce gathers the ranks' rows with NCCL (collectives/nopeer.py) and
+# ends in this kernel: with slots = N, x is [N, M, H] (slot s: rank s's rows, any slot stride) and a
+# row's h is T(x_0 + x_1 + ... + x_{N-1} + float(res)), summed in float32 in rank order and rounded
+# once -- NormQuantCore.fold and round_sum, the peer kernels' own code, so the outputs are bitwise
+# theirs (NOTE [batch invariance] in norm_quant.py for the epilogue). In one kernel instead of a
+# float32 sum in torch (N - 1 passes over memory and a float32 tensor) and then this kernel.
+
 
 class FusedAddRMSNormQuant:
     """Compile-time settings live on the object; rows (M) and strides are run-time."""
 
     def __init__(self, tiling: RowTiling, quant: QuantSpec, has_residual: bool, gemma: bool,
-                 write_y: bool, pdl: bool = False, split: int = 1):
+                 write_y: bool, pdl: bool = False, split: int = 1, slots: int = 1):
         self.t = tiling
+        self.slots = slots  # NOTE [slots]: x is [slots, M, H] when > 1
         self.pdl = pdl
         self.q = quant
         self.has_residual = has_residual
@@ -58,7 +67,7 @@ class FusedAddRMSNormQuant:
     def __call__(self, mX: cute.Tensor, mR, mRout, mW: cute.Tensor, mY, mQ, mS, mScale, mGS,
                  eps: Float32, stream):
         t = self.t
-        m = mX.shape[0]
+        m = self._row_count(mX)
         rows = m
         blocks = (m + t.rows_per_cta - 1) // t.rows_per_cta * self.split
         if const_expr(self.q.swizzled):
@@ -72,6 +81,10 @@ class FusedAddRMSNormQuant:
             stream=stream,
             use_pdl=self.pdl,
         )
+
+    def _row_count(self, mX):
+        """M: x is [M, H], or [slots, M, H] (NOTE [slots])."""
+        return mX.shape[1] if self.slots > 1 else mX.shape[0]
 
     def _pad_words_per_thread(self) -> int:
         """Words each padding CTA thread zeroes (NOTE [padding CTAs])."""
@@ -104,7 +117,7 @@ class FusedAddRMSNormQuant:
         part = None
         if const_expr(self.split > 1):
             part = group % self.split
-        m = mX.shape[0]
+        m = self._row_count(mX)
         smem = cutlass.utils.SmemAllocator()
         bufs = self.core.allocate_smem(smem)
         if const_expr(t.cluster_n > 1):
@@ -127,13 +140,23 @@ class FusedAddRMSNormQuant:
     @cute.jit
     def _fuse_row(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, eps: Float32, rows: Int32,
                   row: Int32, lane: Int32, row_in_cta: Int32, bufs, part=None):
-        m = mX.shape[0]
+        m = self._row_count(mX)
         row_valid = row < m
         # scalars first: their loads overlap the row loads instead of following the residual stores
         static_inv, global_scale = self.core.load_scalars(mScale, mGS)
         rX = self.core.zeros(mX.element_type)
         rR = self.core.zeros(mX.element_type)
         rH = self.core.zeros(Float32)
+        if const_expr(self.slots > 1):
+            self._fold_row(mX, mR, mRout, row, row_valid, lane, part, rX, rR, rH)
+        else:
+            self._add_row(mX, mR, mRout, row, row_valid, lane, part, rX, rR, rH)
+        self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW, mY, mQ, mS,
+                           static_inv, global_scale, bufs, None, part)
+
+    @cute.jit
+    def _add_row(self, mX, mR, mRout, row: Int32, row_valid, lane: Int32, part, rX, rR, rH):
+        """rH <- float(h), h = T(float(x) + float(res)) (or x); h -> residual_out."""
         # all loads first: residual_out may alias residual, so no store may precede a load
         if row_valid:
             self.core.load_row(rX, cute.zipped_divide(mX[row, None], (VEC,)), lane)
@@ -146,5 +169,18 @@ class FusedAddRMSNormQuant:
                 self.core.store_row16(rX, mRout[row, None], lane, part)
         self.core.widen(rH, rX)
 
-        self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW, mY, mQ, mS,
-                           static_inv, global_scale, bufs, None, part)
+    @cute.jit
+    def _fold_row(self, mX, mR, mRout, row: Int32, row_valid, lane: Int32, part, rX, rR, rH):
+        """NOTE [slots]: rH <- float(h), h = T(x_0 + ... + x_{N-1} + float(res)); h -> residual_out.
+        rH stays zero on rows past M."""
+        dtype = mX.element_type
+        if row_valid:
+            if const_expr(self.has_residual):  # before any store: residual_out may alias it
+                self.core.load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
+            for s in cutlass.range_constexpr(self.slots):
+                self.core.load_row(rX, cute.zipped_divide(mX[s, row, None], (VEC,)), lane)
+                self.core.fold(rH, rX, s)
+            self.core.round_sum(rH, rR, self.has_residual, dtype)
+            if const_expr(self.has_residual):
+                self.core.store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype,
+                                    part)

@@ -136,6 +136,24 @@ class NormQuantCore:
             wA[i] = ptx.add_x2(wA[i], wB[i], half)
 
     @cute.jit
+    def fold(self, rH, rT, slot: cutlass.Constexpr):
+        """rH <- the running float32 sum of the ranks' rows in rank order: float(rT) for slot 0,
+        then rH + float(rT). The all-reduce's sum (docs/SEMANTICS.md), written once: the peer
+        kernels and the single-GPU kernel's slots (NOTE [slots] in fused_norm.py) add the same way."""
+        if const_expr(slot == 0):
+            rH.store(rT.load().to(Float32))
+        else:
+            rH.store(rH.load() + rT.load().to(Float32))
+
+    @cute.jit
+    def round_sum(self, rH, rR, has_residual: cutlass.Constexpr, dtype: cutlass.Constexpr):
+        """rH: float32 sum (fold) -> float(h), h = T(acc + float(res)) (one rounding) or T(acc)."""
+        if const_expr(has_residual):
+            rH.store((rH.load() + rR.load().to(Float32)).to(dtype).to(Float32))
+        else:
+            rH.store(rH.load().to(dtype).to(Float32))
+
+    @cute.jit
     def widen(self, dst, src):
         """dst (float32 fragment) <- src (16-bit fragment of the same size), read as packed words
         (word_values). fp16 is read as words too, never through the fragment's fp16 view:

@@ -122,10 +122,11 @@ class _CallKernels:
     (vLLM's form) never compiles the split kernel it cannot use (about a second per key). Also
     holds the format's scalar argument, which an eager call would otherwise look up (host time)."""
 
-    __slots__ = ("key", "split", "kernel", "in_place_kernel", "scalar")
+    __slots__ = ("key", "slots", "split", "kernel", "in_place_kernel", "scalar")
 
-    def __init__(self, key: tuple):
+    def __init__(self, key: tuple, slots: int = 1):
         self.key = key
+        self.slots = slots  # NOTE [slots] in kernels/fused_norm.py
         self.split = fused_kernel_key(*key)[-1]
         self.kernel = None
         self.in_place_kernel = None
@@ -135,7 +136,7 @@ class _CallKernels:
         """Compile (or load) and keep the kernel for calls in place or not."""
         from .kernels.compile import compiled_fused_norm
 
-        kernel = compiled_fused_norm(*fused_kernel_key(*self.key, in_place))
+        kernel = compiled_fused_norm(*fused_kernel_key(*self.key, in_place), self.slots)
         if in_place:
             self.in_place_kernel = kernel
         else:
@@ -156,22 +157,26 @@ class _CallKernels:
 
 @functools.cache
 def _call_kernels(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_residual: bool,
-                  gemma: bool, write_y: bool, rows_bucket: int) -> _CallKernels:
+                  gemma: bool, write_y: bool, rows_bucket: int, slots: int = 1) -> _CallKernels:
     """The kernels of one call's compile-time key; cached here as well as in compiled_fused_norm
     so that an eager call pays one dictionary lookup (host time). Programmatic dependent launch
     (DISTNORM_PDL, read when the key is first compiled) is on by default: with a PDL-aware
     predecessor the launch overlaps its tail (at M = 1 most of the kernel's time)."""
-    return _CallKernels((dtype, H, spec, has_residual, gemma, write_y, rows_bucket))
+    return _CallKernels((dtype, H, spec, has_residual, gemma, write_y, rows_bucket), slots)
 
 
 def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,
                           y_out, q_out, scales_out) -> None:
-    M, H = x.shape
+    """The kernel on checked arguments and allocated outputs. x: [M, H], or [N, M, H]: the rows
+    of N ranks, summed in rank order before the residual add (NOTE [slots] in
+    kernels/fused_norm.py; the all-reduce without peer memory)."""
+    slots = 1 if x.dim() == 2 else x.shape[0]
+    M, H = x.shape[-2:]
     if M == 0:
         return
     _call_kernels(x.dtype, H, spec, residual is not None, gemma, y_out is not None,
-                  _rows_bucket(M)).launch(x, residual, weight, eps, scale, global_scale,
-                                          residual_out, y_out, q_out, scales_out)
+                  _rows_bucket(M), slots).launch(x, residual, weight, eps, scale, global_scale,
+                                                 residual_out, y_out, q_out, scales_out)
 
 
 def _run_reference(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,

@@ -138,8 +138,9 @@ def test_in_place_calls_compile_only_the_kernel_they_launch(monkeypatch):
     compiled, launched = [], []
 
     def fake_compile(*key):
-        compiled.append(key[-1])  # the key's split
-        return lambda *args: launched.append(key[-1])
+        assert key[-1] == 1  # slots: one (x [M, H])
+        compiled.append(key[-2])  # the key's split
+        return lambda *args: launched.append(key[-2])
 
     monkeypatch.setattr(kernel_compile, "compiled_fused_norm", fake_compile)
     ops._call_kernels.cache_clear()

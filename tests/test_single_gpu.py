@@ -222,6 +222,10 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
         spec = formats.kernel_spec(variant_spec(params["variant"]))
         return [("fused_norm", "float16", SPLIT_HIDDEN, spec, True, False, True, params["cluster"],
                  True, s) for s in (1, params["split"])]
+    if test == "test_slots_sum_in_rank_order":
+        v, d, slots, M, H = (params[k] for k in ("variant", "dtype", "slots", "M", "H"))
+        base = key(v, d, H, M, in_place=params["in_place"])
+        return [base + (slots,), key(v, d, H, M, residual=False)]
     if test == "test_no_residual_strided_in_place":  # its three run_and_check calls
         v = params["variant"]
         return [key(v, "bf16", 4096, 300, residual=False), key(v, "bf16", 4096, 300, in_place=True),
@@ -269,6 +273,56 @@ def test_no_residual_strided_in_place(variant):
     run_and_check(variant, torch.bfloat16, 300, 4096, residual=True, in_place=True, row_pad=64)
     # decode rows in place: the host must not split them over CTAs (NOTE [split rows])
     run_and_check(variant, torch.bfloat16, 7, 4096, residual=True, in_place=True)
+
+
+# (variant, dtype, slots, M, H, in place): fp16 and a long row, decode rows split over CTAs
+SLOTS_CASES = [("none", "bf16", 2, 1, 4096, False), ("fp8", "bf16", 2, 130, 4096, True),
+               ("fp8_per_token", "fp16", 3, 5, 8192, False),
+               ("fp8_g128_col", "bf16", 4, 300, 4096, False),
+               ("nvfp4_swizzled", "bf16", 8, 33, 4096, False),
+               ("mxfp4_linear", "fp16", 2, 2, 32768, True)]
+
+
+@pytest.mark.parametrize("variant, dtype, slots, M, H, in_place", SLOTS_CASES)
+def test_slots_sum_in_rank_order(variant, dtype, slots, M, H, in_place):
+    """x [N, M, H] (the no-peer all-reduce's epilogue, NOTE [slots] in kernels/fused_norm.py):
+    residual_out is bitwise h = T(x_0 + ... + x_{N-1} + float(res)) summed in float32 in slot order
+    (torch, as the reference and the peer kernels do), and every other output bitwise the plain
+    kernel's on h. Slot 0 carries +B and the last slot -B (B ~ 2^18): a sum in another order
+    shows. Slots sit apart in memory (a slot stride of M + 3 rows); outputs poisoned."""
+    from distnorm.args import allocate_outputs
+    from distnorm.collectives.nopeer import fold_epilogue
+
+    dt, spec = DTYPES[dtype], variant_spec(variant)
+    kw = quant_kwargs(*VARIANTS[variant], device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(M * 31 + slots)
+    vals = torch.randn(slots, M + 3, H, generator=g, device="cuda") * 2
+    big = torch.randn(M + 3, H, generator=g, device="cuda") * 2.0 ** 18
+    vals[0] += big
+    vals[-1] -= big
+    parts = vals.to(dt)[:, :M]
+    res = torch.randn(M, H, generator=g, device="cuda").to(dt)
+    w = (torch.rand(H, generator=g, device="cuda") + 0.5).to(dt)
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc = acc + p.float()
+    h = (acc + res.float()).to(dt)
+    want = distnorm.add_rmsnorm(h, None, w, 1e-6, norm_out=True, **kw)
+    outs = list(allocate_outputs(parts[0], spec, True, True, None, None, None, None))
+    for t in outs:
+        if t is not None:
+            poison_like(t)
+    if in_place:
+        outs[0] = res
+    fold_epilogue(parts, res, w, 1e-6, spec, kw.get("scale"), kw.get("global_scale"), False, *outs)
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0].view(torch.uint8), h.view(torch.uint8)), "residual_out is not h"
+    for name, got, ref in zip(("y", "q", "scales"), outs[1:], (want.y, want.q, want.scales)):
+        if spec is not None and spec.info.scales == "static" and name == "scales":
+            continue  # static FP8 has no scales output
+        if got is not None or ref is not None:
+            assert torch.equal(got.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8)), \
+                f"{name} differs from the kernel's on h"
 
 
 def test_cuda_graph_and_compile():

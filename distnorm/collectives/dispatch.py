@@ -102,24 +102,34 @@ def gathered_sum(x: Tensor, group) -> Tensor:
 
 def run_fallback(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
                  q_out, scales_out, ar_out, ws) -> None:
-    """No peer mappings (or CPU tensors): torch.distributed by row slices (collectives/rowsplit.py):
-    all_to_all, ordered float32 sum and the norm-quant epilogue of this rank's slice (single-GPU
-    kernel; CPU: the reference), all_gather of the outputs. Bitwise the peer kernels' results, with
-    all-reduce-like traffic. Chunked to the workspace's buffer size. Logs once per workspace why."""
+    """No peer mappings (or CPU tensors): torch.distributed moves the rows and the single-GPU
+    kernel (CPU: the reference) sums them in rank order and runs the epilogue
+    (collectives/nopeer.py: all_gather of x, or all_to_all of row slices and all_gather of the
+    outputs); with allreduce_out, for the plain all-reduce and for the node chain, by row slices
+    with a float32 sum in torch (collectives/rowsplit.py). Bitwise the peer kernels' results.
+    Chunked to the workspace's buffer size. Logs once per workspace why."""
     if x.is_cuda:
         state = state_of(ws)
         if not state.fallback_logged:
             state.fallback_logged = True
             reason = ws.fallback_reason or ("workspace is closed" if ws.closed else "no peer mappings")
-            log.warning("distnorm all-reduce: using torch.distributed (all_to_all + all_gather) + "
-                        "single-GPU kernel (%s)", reason)
+            log.warning("distnorm all-reduce: using torch.distributed collectives + the single-GPU "
+                        "kernel (%s)", reason)
     if x.shape[0] == 0:
         return
-    from distnorm.collectives.rowsplit import allreduce_by_slices
+    from distnorm.collectives.rowsplit import FlatSplit, allreduce_by_slices
 
+    split = row_split(ws)
+    plain = residual_out is None and y_out is None and q_out is None
+    if ar_out is None and not plain and isinstance(split, FlatSplit):
+        from distnorm.collectives.nopeer import allreduce_no_peer
+
+        allreduce_no_peer(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,
+                          y_out, q_out, scales_out, ws.group, ws.buffer_bytes)
+        return
     chunk = max(1, ws.buffer_bytes // (x.shape[1] * x.element_size()))
     allreduce_by_slices(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,
-                        y_out, q_out, scales_out, ar_out, row_split(ws), chunk)
+                        y_out, q_out, scales_out, ar_out, split, chunk)
 
 
 def row_split(ws):

@@ -29,6 +29,24 @@ def _bytes(t):
     return None if t is None else t.reshape(-1).contiguous().view(torch.uint8)
 
 
+def _poisoned_outputs(quant, opts, M: int, H: int, in_place: bool) -> dict:
+    """Every output of allreduce_add_rmsnorm (norm_out, bf16 [M, H] rows), NaN / 0xFF-filled."""
+    from distnorm import formats
+    from quant_check import poison_like
+
+    spec = formats.make_quant_spec(quant, **opts)
+    outs = {"residual_out": torch.empty(M, H, device="cuda", dtype=torch.bfloat16),
+            "y_out": poison_like(torch.empty(M, H, device="cuda", dtype=torch.bfloat16))}
+    if not in_place:
+        poison_like(outs["residual_out"])
+    if spec is not None:
+        outs["q_out"] = poison_like(torch.empty(formats.q_shape(spec, M, H),
+                                                dtype=formats.q_dtype(spec), device="cuda"))
+        if formats.scales_geometry(spec, M, H) is not None:
+            outs["scales_out"] = poison_like(formats.empty_scales(spec, M, H, "cuda"))
+    return outs
+
+
 def _body() -> None:
     import distnorm
     from distnorm.comm import resolve_bootstrap
@@ -62,6 +80,19 @@ def _body() -> None:
                                   .manual_seed(M)).to(torch.bfloat16)
                 got = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=nccl,
                                                      norm_out=True, allreduce_out=True, **kw)
+                for form in ("gather", "split"):  # without allreduce_out: collectives/nopeer.py
+                    os.environ["DISTNORM_NOPEER_FORM"] = form
+                    outs = _poisoned_outputs(quant, opts, M, H, in_place=form == "split")
+                    if form == "split":
+                        outs["residual_out"].copy_(res)  # vLLM's form: h written over residual
+                    by_form = distnorm.allreduce_add_rmsnorm(
+                        x, outs["residual_out"] if form == "split" else res, w, 1e-6,
+                        workspace=nccl, norm_out=True, **kw, **outs)
+                    os.environ.pop("DISTNORM_NOPEER_FORM")
+                    for field in ("residual", "y", "q", "scales"):
+                        a, b = _bytes(getattr(by_form, field)), _bytes(getattr(got, field))
+                        expect((a is None) == (b is None) and (a is None or torch.equal(a, b)),
+                               f"{name} M={M}: {form} form's {field} differs from the row split")
                 if chain is not None:
                     by_chain = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=chain,
                                                               norm_out=True, allreduce_out=True, **kw)
@@ -102,8 +133,11 @@ def _body() -> None:
         torch.cuda.synchronize()
         expect.raise_any()
 
-    def graphs():  # the sequence-parallel op replays in a CUDA graph, both paths
+    def graphs():  # the sequence-parallel op and the no-peer forms replay in a CUDA graph
+        from quant_check import poison_like
+
         H, M = 4096, 300
+        gs = torch.tensor([448 * 6 / 12.0], device="cuda")
         w = torch.ones(H, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(M, H, device="cuda").to(torch.bfloat16)
         a, b = distnorm.shard_rows(M, peer)
@@ -122,6 +156,28 @@ def _body() -> None:
             torch.cuda.synchronize()
             assert torch.equal(_bytes(got.q), _bytes(want.q)) and torch.equal(got.scales, want.scales)
             assert torch.equal(got.residual, want.residual)
+        res = torch.randn(M, H, device="cuda").to(torch.bfloat16)
+        for form in ("gather", "split"):  # the fused all-reduce without peer memory, both forms
+            os.environ["DISTNORM_NOPEER_FORM"] = form
+            try:
+                kw = ({"quant": "nvfp4", "global_scale": gs} if form == "split" else
+                      {"quant": "fp8_per_token"})
+
+                def f():
+                    return distnorm.allreduce_add_rmsnorm(x, res, w, workspace=nccl, **kw)
+                want = f()
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    got = f()
+                for t in (got.residual, got.q, got.scales):
+                    poison_like(t)
+                g.replay()
+                torch.cuda.synchronize()
+            finally:
+                os.environ.pop("DISTNORM_NOPEER_FORM")
+            for a, b in ((got.residual, want.residual), (got.q, want.q), (got.scales, want.scales)):
+                assert torch.equal(_bytes(a), _bytes(b)), f"{form} form in a CUDA graph"
     try:
         gathered_check(boot, check)
         import torch.distributed as dist
@@ -150,6 +206,12 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     bf16, H, keys = torch.bfloat16, 4096, []
     for k, (quant, opts) in enumerate(QUANTS.values()):
         spec = formats.make_quant_spec(quant, **opts)
+        # the no-peer forms' kernels with `world` slots: gather (the call's rows, spec's layout),
+        # split (this rank's slice, linear scales, in place)
+        keys += [("fused_norm", *fused_kernel_key(bf16, H, s, True, False, True, rows, in_place),
+                  world)
+                 for s, in_place in ((spec, False), (linear_spec(spec), True))
+                 for rows in (1, FEW_ROWS, FEW_ROWS + 1)]
         for write_y in (True, False):
             keys += [("fused_norm", *fused_kernel_key(bf16, H, linear_spec(spec), False, False,
                                                       write_y or spec is None, rows))

@@ -1,0 +1,206 @@
+"""The fused all-reduce without peer memory (ranks on several nodes, PCIe without P2P): NCCL (gloo
+on CPU) moves the rows, and the single-GPU kernel with slots sums them in rank order and runs the
+epilogue in one pass (NOTE [slots] in kernels/fused_norm.py), so every output is bitwise the peer
+kernels'.
+
+NOTE [no-peer forms]
+- gather: all_gather of x, then every rank folds all M rows and writes its outputs in place. One
+  collective; each rank receives (N - 1) copies of x.
+- split: all_to_all of row slices (each rank receives its slice of every rank's x), the fold and
+  epilogue of that slice into one packed buffer, then one all_gather of the packed buffers. Two
+  collectives; each rank receives (N - 1) / N of x and (N - 1) / N of the outputs.
+`form_for` takes the form that receives fewer bytes, counting each collective's fixed cost as
+COLLECTIVE_BYTES more: with a residual, gather never receives more than split at N = 2; split wins
+from N = 4 on all but small calls. The constant is a guess (no multi-node machine yet), and
+DISTNORM_NOPEER_FORM=gather|split forces a form (benchmarks, tests).
+
+Both are chunked so that the receive buffer stays within the workspace's buffer size. The
+allreduce_out output and the plain all-reduce take rowsplit.allreduce_by_slices (the kernel has no
+T(acc) output).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from distnorm.collectives.rowsplit import (exchange_slices, fold_slices, linear_spec,
+                                           scales_to_layout, slice_bounds)
+from distnorm.formats import QuantSpec
+
+__all__ = ["allreduce_no_peer", "fold_epilogue", "form_for", "COLLECTIVE_BYTES"]
+
+# bytes a collective's fixed cost is worth (about 10 us at 100 GB/s): see NOTE [no-peer forms]
+COLLECTIVE_BYTES = 1 << 20
+_PACK_ALIGN = 256  # byte alignment of each output's block in the packed buffer (kernel: 16)
+
+
+def out_row_bytes(spec: Optional[QuantSpec], H: int, dtype: torch.dtype, has_residual: bool,
+                  want_y: bool) -> int:
+    """Bytes of one row's outputs: residual, y, q codes, scales."""
+    n = H * dtype.itemsize * (int(has_residual) + int(want_y))
+    if spec is not None and spec.kind != "none":
+        n += H // 2 if spec.packed_fp4 else H
+        if spec.info.scale_dtype is not None:
+            sdtype, per_row = _scales_row(spec, H)
+            n += per_row * sdtype.itemsize
+    return n
+
+
+def form_for(M: int, H: int, world: int, esize: int, out_bytes: int) -> str:
+    """NOTE [no-peer forms]: "gather" or "split" for a call of M rows (DISTNORM_NOPEER_FORM
+    overrides)."""
+    forced = os.environ.get("DISTNORM_NOPEER_FORM", "auto")
+    if forced in ("gather", "split"):
+        return forced
+    gather = (world - 1) * M * H * esize
+    split = (world - 1) * M * (H * esize + out_bytes) // world + COLLECTIVE_BYTES
+    return "gather" if gather <= split else "split"
+
+
+def fold_epilogue(parts: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
+                  spec: Optional[QuantSpec], scale, global_scale, gemma: bool, residual_out, y_out,
+                  q_out, scales_out) -> None:
+    """h = T(parts[0] + ... + parts[N-1] (float32, in order) + float(residual)), RMSNorm and
+    quantization of its rows into the outputs given. parts: [N, M, H] bf16/fp16 (last dim
+    contiguous, rows 16-byte aligned); residual and outputs as add_rmsnorm's for M rows, scales in
+    spec's layout. CUDA: the single-GPU kernel with N slots; CPU: the reference."""
+    from distnorm.ops import _run_reference, run_fused_norm_kernel
+
+    if parts.is_cuda:
+        run_fused_norm_kernel(parts, residual, weight, eps, spec, scale, global_scale, gemma,
+                              residual_out, y_out, q_out, scales_out)
+        return
+    rows = parts.shape[1]
+    if rows == 0:
+        return
+    acc = fold_slices(parts, rows)
+    h = (acc + residual.float()).to(parts.dtype) if residual is not None else acc.to(parts.dtype)
+    if residual_out is not None:
+        residual_out.copy_(h)
+    _run_reference(h, None, weight, eps, spec, scale, global_scale, gemma, None, y_out, q_out,
+                   scales_out)
+
+
+def _scales_row(spec: QuantSpec, H: int) -> tuple[torch.dtype, int]:
+    """(dtype, values per row) of spec's linear row-major scales."""
+    return spec.info.scale_dtype, (1 if spec.info.scales == "row" else H // spec.group_size)
+
+
+class PackedRows:
+    """One rank's outputs for S rows as blocks of one byte buffer (each block a contiguous
+    [S, ...] tensor the kernel writes), gathered with one all_gather and copied out per output."""
+
+    def __init__(self, S: int, fields: list[tuple[str, torch.dtype, int]], device) -> None:
+        self.S = S
+        self.layout = []  # (name, dtype, elements per row, byte offset)
+        off = 0
+        for name, dtype, per_row in fields:
+            self.layout.append((name, dtype, per_row, off))
+            nbytes = S * per_row * dtype.itemsize
+            off += -(-nbytes // _PACK_ALIGN) * _PACK_ALIGN
+        self.total = max(off, _PACK_ALIGN)
+        self.buffer = torch.empty(self.total, dtype=torch.uint8, device=device)
+
+    def views(self) -> dict[str, Tensor]:
+        """Each output's [S, per_row] block of this rank's buffer."""
+        out = {}
+        for name, dtype, per_row, off in self.layout:
+            size = self.S * per_row * dtype.itemsize
+            out[name] = self.buffer[off:off + size].view(dtype).view(self.S, per_row)
+        return out
+
+    def gather_into(self, dsts: dict[str, Tensor], M: int, group) -> None:
+        """all_gather every rank's buffer, then copy the first M rows (rank order) of each output
+        into dsts[name] ([M, per_row] views, any row stride)."""
+        import torch.distributed as dist
+
+        world = dist.get_world_size(group)
+        recv = torch.empty(world * self.total, dtype=torch.uint8, device=self.buffer.device)
+        dist.all_gather_into_tensor(recv, self.buffer, group=group)
+        recv = recv.view(world, self.total)
+        S = self.S
+        full, rem = divmod(M, S)
+        for name, dtype, per_row, off in self.layout:
+            size = S * per_row * dtype.itemsize
+            src = recv[:, off:off + size].view(dtype).unflatten(1, (S, per_row))
+            dst = dsts[name]
+            if full:
+                dst[:full * S].unflatten(0, (full, S)).copy_(src[:full])
+            if rem:
+                dst[full * S:M].copy_(src[full, :rem])
+
+
+def _gather_form(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
+                 q_out, scales_out, group, world: int, chunk_rows: int) -> None:
+    """NOTE [no-peer forms], gather: per chunk, all_gather x's rows, fold them into the outputs."""
+    import torch.distributed as dist
+    from distnorm.collectives.dispatch import _rows, _scale_rows
+
+    M, H = x.shape
+    for a in range(0, M, chunk_rows):
+        b = min(M, a + chunk_rows)
+        parts = torch.empty(world * (b - a), H, dtype=x.dtype, device=x.device)  # gloo: 2-D
+        dist.all_gather_into_tensor(parts, x[a:b].contiguous(), group=group)
+        fold_epilogue(parts.view(world, b - a, H), _rows(residual, a, b), weight, eps, spec, scale, global_scale, gemma,
+                      _rows(residual_out, a, b), _rows(y_out, a, b), _rows(q_out, a, b),
+                      _scale_rows(spec, scales_out, a, b))
+
+
+def _split_form(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
+                q_out, scales_out, group, world: int, rank: int, chunk_rows: int) -> None:
+    """NOTE [no-peer forms], split: per chunk, all_to_all the row slices, fold this rank's slice
+    into a packed buffer, all_gather the buffers into the outputs (scales: row-major linear, then
+    spec's layout)."""
+    M, H = x.shape
+    lin = linear_spec(spec)
+    fields = [(name, x.dtype, H) for name, t in (("residual", residual_out), ("y", y_out))
+              if t is not None]
+    if q_out is not None:
+        fields.append(("q", q_out.dtype, q_out.shape[1]))
+    scale_dst = None
+    if spec is not None and spec.info.scale_dtype is not None:
+        sdtype, per_row = _scales_row(spec, H)
+        fields.append(("scales", sdtype, per_row))
+        scale_dst = (torch.empty(M, per_row, dtype=sdtype, device=x.device)
+                     if spec.block_scaled and spec.swizzled else scales_out)
+    for a in range(0, M, chunk_rows):
+        b = min(M, a + chunk_rows)
+        parts = exchange_slices(x[a:b], group)  # [N, S, H]
+        s0, s1 = slice_bounds(b - a, world, rank)
+        packed = PackedRows(parts.shape[1], fields, x.device)
+        mine = {name: v[:s1 - s0] for name, v in packed.views().items()}
+        fold_epilogue(parts[:, :s1 - s0], None if residual is None else residual[a + s0:a + s1],
+                      weight, eps, lin, scale, global_scale, gemma, mine.get("residual"),
+                      mine.get("y"), mine.get("q"), mine.get("scales"))
+        dsts = {"residual": residual_out, "y": y_out, "q": q_out, "scales": scale_dst}
+        packed.gather_into({name: dsts[name][a:b] for name, *_ in fields}, b - a, group)
+    if scale_dst is not None and scale_dst is not scales_out:
+        scales_to_layout(scale_dst, spec, scales_out)
+
+
+def allreduce_no_peer(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
+                      spec: Optional[QuantSpec], scale, global_scale, gemma: bool, residual_out,
+                      y_out, q_out, scales_out, group, buffer_bytes: int) -> None:
+    """allreduce_add_rmsnorm's outputs (checked arguments, allocated outputs, no allreduce_out)
+    over torch.distributed in the form form_for picks (NOTE [no-peer forms]), each collective's
+    receive buffer within about buffer_bytes."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    M, H = x.shape
+    if M == 0:
+        return
+    row = H * x.element_size()
+    out_bytes = out_row_bytes(spec, H, x.dtype, residual_out is not None, y_out is not None)
+    args = (x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out, q_out,
+            scales_out, group, world)
+    if form_for(M, H, world, x.element_size(), out_bytes) == "gather":
+        chunk = max(1, buffer_bytes // (world * row))
+        if chunk < M and spec is not None and spec.block_scaled and spec.swizzled:
+            chunk = max(128, chunk // 128 * 128)  # swizzled scales: chunks of whole 128-row tiles
+        _gather_form(*args, chunk)
+    else:
+        _split_form(*args, rank, max(1, buffer_bytes // max(row, out_bytes)))

@@ -1,13 +1,19 @@
 """The path without peer memory (groups across nodes, PCIe without P2P), side by side in one run:
 
-    peer        distnorm over peer mappings (algo "auto"): what a single node gets
-    rowsplit    distnorm's torch.distributed path: all_to_all of row slices, epilogue of the own
-                slice, all_gather of the outputs (Workspace(backend="none") forces it)
-    nodechain   with --ranks-per-node G (1 < G < world): the same path as a chain of nodes of G
-                ranks (Workspace(ranks_per_node=G), distnorm/collectives/nodechain.py); on one
-                machine NVLink stands in for the link between nodes
-    allgather   the previous fallback: all-gather every rank's x, ordered sum, single-GPU kernel
-    nccl+fused  NCCL all-reduce, then distnorm.add_rmsnorm (the unfused pair a user would write)
+    peer          distnorm over peer mappings (algo "auto"): what a single node gets
+    nopeer        distnorm without peer memory (Workspace(backend="none")), the form it picks
+                  (collectives/nopeer.py, NOTE [no-peer forms])
+    gather        that path, forced to all_gather x + the slots kernel (DISTNORM_NOPEER_FORM)
+    split         that path, forced to all_to_all + slots kernel + one packed all_gather
+    rowsplit-torch  the row split with its float32 sum in torch (rowsplit.allreduce_by_slices:
+                  the fallback before the slots kernel; still the allreduce_out / node-chain path)
+    nodechain     with --ranks-per-node G (1 < G < world): the node chain of G-rank nodes
+                  (Workspace(ranks_per_node=G), distnorm/collectives/nodechain.py); on one
+                  machine NVLink stands in for the link between nodes
+    allgather     the first fallback: all-gather every rank's x, ordered sum in torch, single-GPU
+                  kernel
+    nccl+fused    NCCL all-reduce (in place on its own buffer, no copy: its values grow from call
+                  to call, which costs NCCL and the kernel nothing), then distnorm.add_rmsnorm
 
     torchrun --nproc-per-node 2 benchmarks/bench_fallback.py --out benchmarks/results/fallback_h200_x2
     torchrun --nproc-per-node 4 benchmarks/bench_fallback.py --ranks-per-node 2 --out ...
@@ -34,28 +40,50 @@ import distnorm  # noqa: E402
 from distnorm.collectives.dispatch import gathered_sum  # noqa: E402
 from distnorm.launch import init_distributed  # noqa: E402
 
-SHAPES = [(1, 4096), (128, 8192), (2048, 8192), (8192, 8192)]
-PATHS = ("peer", "rowsplit", "allgather", "nccl+fused")
+SHAPES = [(M, H) for H in (4096, 8192) for M in (1, 16, 128, 512, 2048, 8192, 16384)]
+PATHS = ("peer", "nopeer", "gather", "split", "rowsplit-torch", "allgather", "nccl+fused")
 
 
 def _callables(x, res, w, peer, nccl, chain):
+    from distnorm.args import allocate_outputs
+    from distnorm.collectives.rowsplit import FlatSplit, allreduce_by_slices
+    from distnorm.formats import make_quant_spec
+
     kw = dict(quant="fp8_per_token")
+    spec = make_quant_spec(kw["quant"])
 
     def allgather():
         acc = gathered_sum(x, None)
         h = (acc + res.float()).to(x.dtype)
         return distnorm.add_rmsnorm(h, None, w, 1e-6, **kw)
 
-    buf = torch.empty_like(x)
+    buf = x.clone()
 
     def nccl_fused():
-        buf.copy_(x)  # all_reduce is in place: keep x intact for the next call
         dist.all_reduce(buf)
         return distnorm.add_rmsnorm(buf, res, w, 1e-6, **kw)
 
+    def nopeer(form):
+        def call():
+            os.environ["DISTNORM_NOPEER_FORM"] = form  # read when the call is made (captured)
+            try:
+                return distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=nccl, **kw)
+            finally:
+                os.environ.pop("DISTNORM_NOPEER_FORM")
+        return call
+
+    res_out, _, q_out, scales_out = allocate_outputs(x, spec, True, False, None, None, None, None)
+    split = FlatSplit(None)
+    chunk = max(1, nccl.buffer_bytes // (x.shape[1] * x.element_size()))
+
     paths = {
         "peer": lambda: distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=peer, **kw),
-        "rowsplit": lambda: distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=nccl, **kw),
+        "nopeer": nopeer("auto"),
+        "gather": nopeer("gather"),
+        "split": nopeer("split"),
+        "rowsplit-torch": lambda: allreduce_by_slices(
+            x, res, w, 1e-6, spec, None, None, False, res_out, None, q_out, scales_out, None,
+            split, chunk),
         "allgather": allgather,
         "nccl+fused": nccl_fused,
     }
@@ -84,7 +112,8 @@ def main() -> None:
             g = torch.Generator("cuda").manual_seed(rank)
             x = torch.randn(M, H, device="cuda", generator=g).to(torch.bfloat16)
             res = torch.randn(M, H, device="cuda").to(torch.bfloat16)
-            w = torch.rand(H, device="cuda").to(torch.bfloat16) + 0.5
+            w = torch.rand(H, device="cuda", generator=torch.Generator("cuda").manual_seed(H)
+                           ).to(torch.bfloat16) + 0.5  # the same on every rank
             row = {"M": M, "H": H}
             for name, fn in _callables(x, res, w, peer, nccl, chain).items():
                 try:
@@ -107,12 +136,12 @@ def main() -> None:
         lines = [f"# Without peer memory: {world} x {meta['device']}", "",
                  f"Command: `{meta['command']}`; torch {meta['torch']}; {meta['date']}. "
                  "fp8_per_token with residual; us per call (CUDA graph, median, max over ranks).",
-                 "", "| M x H | " + " | ".join(paths) + " | rowsplit / nccl+fused |",
+                 "", "| M x H | " + " | ".join(paths) + " | nopeer / nccl+fused |",
                  "|---|" + "---:|" * (len(paths) + 1)]
         for r in rows:
             vals = " | ".join("fail" if r[k] is None else f"{r[k]:.1f}" for k in paths)
-            ratio = (f"{r['rowsplit'] / r['nccl+fused']:.2f}"
-                     if r["rowsplit"] and r["nccl+fused"] else "")
+            ratio = (f"{r['nopeer'] / r['nccl+fused']:.2f}"
+                     if r["nopeer"] and r["nccl+fused"] else "")
             lines.append(f"| {r['M']} x {r['H']} | {vals} | {ratio} |")
         with open(args.out + ".md", "w") as f:
             f.write("\n".join(lines) + "\n")

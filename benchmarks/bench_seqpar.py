@@ -147,7 +147,10 @@ def main(argv=None) -> list:
         compiled_tail = torch.compile(unfused_tail, dynamic=False)
     rows = []
     for H in args.hidden:
-        w = (torch.rand(H, device=dev) + 0.5).to(torch.bfloat16)
+        # the same weight on every rank (as a TP layer's replicated norm weight): the ops' outputs
+        # are bitwise equal across ranks and forms only then
+        w = (torch.rand(H, device=dev, generator=torch.Generator(dev).manual_seed(H))
+             + 0.5).to(torch.bfloat16)
         for M in args.tokens:
             x = torch.randn(M, H, device=dev, generator=torch.Generator(dev).manual_seed(rank)
                             ).to(torch.bfloat16)

@@ -1,6 +1,7 @@
 """The benchmarks that have not yet run on the GPUs they are written for run their cases here first,
 on the CPU (gloo ranks, a CPU workspace), so their first GPU run does not fail on a call they make:
-benchmarks/bench_seqpar.py (`--smoke`: its output check and every distnorm case once)."""
+benchmarks/bench_seqpar.py (`--smoke`: its output check and every distnorm case once) and
+benchmarks/bench_fallback.py (each path once)."""
 from __future__ import annotations
 
 import os
@@ -25,3 +26,31 @@ def _seqpar_smoke() -> None:
 
 def test_seqpar_benchmark_cases_run():
     spawn(_seqpar_smoke, 2, timeout_s=300, cpu_only=True)
+
+
+def _fallback_smoke() -> None:
+    sys.path.insert(0, BENCHMARKS)
+    import bench_fallback
+    import torch
+
+    import distnorm
+
+    torch.manual_seed(0)  # the same weights and residual on every rank
+    w = torch.rand(256).to(torch.bfloat16) + 0.5
+    res = torch.randn(5, 256).to(torch.bfloat16)
+    import torch.distributed as dist
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(dist.get_rank())).bfloat16()
+    with distnorm.Workspace(device="cpu", buffer_bytes=4096) as peer, \
+            distnorm.Workspace(backend="none", device="cpu", buffer_bytes=4096) as nccl:
+        outs = {name: fn() for name, fn in bench_fallback._callables(x, res, w, peer, nccl,
+                                                                     None).items()}
+    assert set(outs) == set(bench_fallback.PATHS)
+    for name in ("peer", "nopeer", "gather", "split", "allgather"):
+        if name != "allgather":  # it runs the kernel on h: no residual output
+            assert torch.equal(outs[name].residual, outs["split"].residual), name
+        assert torch.equal(outs[name].q.view(torch.uint8), outs["split"].q.view(torch.uint8)), name
+
+
+def test_fallback_benchmark_cases_run():
+    """benchmarks/bench_fallback.py's paths, once each on gloo ranks: the distnorm ones agree."""
+    spawn(_fallback_smoke, 2, timeout_s=300, cpu_only=True)

@@ -193,6 +193,9 @@ def allreduce_no_peer(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
     M, H = x.shape
     if M == 0:
         return
+    # a TP layer's activations require grad; gloo's all_gather (torch 2.11) then refuses its own
+    # output views ("A view was created in no_grad mode ..."). The op is not differentiable.
+    x = x.detach()
     row = H * x.element_size()
     out_bytes = out_row_bytes(spec, H, x.dtype, residual_out is not None, y_out is not None)
     args = (x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out, q_out,

@@ -2,8 +2,11 @@
 -> RMSNorm -> [FP8 quant] in a compiled tensor-parallel model and calls distnorm instead.
 
     import distnorm.fusion
-    torch._inductor.config.post_grad_custom_pre_pass = distnorm.fusion.allreduce_fusion_pass(ws)
-    model = torch.compile(model)
+    pass_ = distnorm.fusion.allreduce_fusion_pass(ws)
+    model = torch.compile(model, options={"post_grad_custom_pre_pass": pass_})
+
+(as this compile's option: with torch._inductor.config set around a call instead, Dynamo may reuse
+code compiled earlier for another instance of the model's class, and no pass runs)
 
 graph_pass.py (the pass), match.py (what it recognises), op.py (the op it inserts), forms.py (the
 plain-torch norm and quantization forms it recognises).

@@ -135,26 +135,15 @@ class PackedRows:
 
 def _gather_form(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
                  q_out, scales_out, group, world: int, chunk_rows: int) -> None:
-    """NOTE [no-peer forms], gather: per chunk, all_gather x's rows, fold them into the outputs.
-    The next chunk's all_gather is issued before this chunk's kernel, so that it runs (on NCCL's
-    stream) while the kernel does."""
+    """NOTE [no-peer forms], gather: per chunk, all_gather x's rows, fold them into the outputs."""
     import torch.distributed as dist
     from distnorm.collectives.dispatch import _rows, _scale_rows
 
     M, H = x.shape
-
-    def start(a: int, b: int):
+    for a in range(0, M, chunk_rows):
+        b = min(M, a + chunk_rows)
         parts = torch.empty(world * (b - a), H, dtype=x.dtype, device=x.device)  # gloo: 2-D
-        work = dist.all_gather_into_tensor(parts, x[a:b].contiguous(), group=group, async_op=True)
-        return parts, work
-
-    chunks = [(a, min(M, a + chunk_rows)) for a in range(0, M, chunk_rows)]
-    upcoming = start(*chunks[0])
-    for i, (a, b) in enumerate(chunks):
-        parts, work = upcoming
-        if i + 1 < len(chunks):
-            upcoming = start(*chunks[i + 1])
-        work.wait()
+        dist.all_gather_into_tensor(parts, x[a:b].contiguous(), group=group)
         fold_epilogue(parts.view(world, b - a, H), _rows(residual, a, b), weight, eps, spec, scale, global_scale, gemma,
                       _rows(residual_out, a, b), _rows(y_out, a, b), _rows(q_out, a, b),
                       _scale_rows(spec, scales_out, a, b))

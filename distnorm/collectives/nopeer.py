@@ -11,8 +11,9 @@ NOTE [no-peer forms]
   collectives; each rank receives (N - 1) / N of x and (N - 1) / N of the outputs.
 `form_for` takes the form that receives fewer bytes, counting each collective's fixed cost as
 COLLECTIVE_BYTES more: with a residual, gather never receives more than split at N = 2; split wins
-from N = 4 on all but small calls. The constant is a guess (no multi-node machine yet), and
-DISTNORM_NOPEER_FORM=gather|split forces a form (benchmarks, tests).
+from N = 4 above about 115 rows at H = 4096 (per-token FP8, residual). The constant is a guess (no
+multi-node machine yet), and DISTNORM_NOPEER_FORM=gather|split forces a form (benchmarks, tests).
+Measured on 2 x H200 (benchmarks/results/fallback_h200_x2.md): see the README.
 
 Both are chunked so that the receive buffer stays within the workspace's buffer size. The
 allreduce_out output and the plain all-reduce take rowsplit.allreduce_by_slices (the kernel has no

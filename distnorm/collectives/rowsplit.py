@@ -21,7 +21,7 @@ from torch import Tensor
 
 from distnorm.formats import NormQuantOutput, QuantSpec, from_swizzled, to_swizzled
 
-__all__ = ["slice_bounds", "exchange_slices", "fold_slices", "row_bytes", "reduce_rows", "slice_epilogue", "gather_rows", "linear_spec",
+__all__ = ["slice_bounds", "exchange_slices", "fold_slices", "row_bytes", "reduce_rows", "slice_epilogue", "gather_rows", "gather_in_place", "linear_spec",
            "scales_to_layout", "scales_to_linear", "allreduce_by_slices", "FlatSplit"]
 
 
@@ -115,6 +115,22 @@ def gather_rows(t: Tensor, M: int, group) -> Tensor:
     out = torch.empty(world * S, raw.shape[1], dtype=torch.uint8, device=t.device)
     dist.all_gather_into_tensor(out, send, group=group)
     return out[:M].view(t.dtype).reshape((M,) + shape)
+
+
+def gather_in_place(full: Tensor, M: int, group) -> Tensor:
+    """full [N * S, ...] (S = ceil(M / N)) whose rows [r * S, r * S + M_r) this rank r already
+    holds: every rank's rows gathered into it, in place (NCCL then copies nothing locally; no send
+    buffer), and returned as full[:M]. Rows past a shard's own hold what they held."""
+    import torch.distributed as dist
+
+    world, rank = _world_rank(group)
+    S = full.shape[0] // world
+    raw = row_bytes(full)  # a view: full is contiguous
+    mine = raw[rank * S:(rank + 1) * S]
+    if dist.get_backend(group) != "nccl":
+        mine = mine.clone()  # gloo: no input inside the output
+    dist.all_gather_into_tensor(raw, mine, group=group)
+    return full[:M]
 
 
 def scales_to_layout(linear: Tensor, spec: QuantSpec, out: Tensor) -> None:

@@ -14,7 +14,9 @@ With peer mappings the reduce-scatter is one kernel (algorithm "reducescatter" o
 kernels/allreduce.py: the two-shot push, then the norm-quant epilogue of the own shard); without
 them, or when the call does not fit the workspace's buffer, torch.distributed (all_to_all; the
 single-GPU kernel for the epilogue, the reference on CPU). Gathers (gather=True, all_gather,
-all_gather_scales) run over torch.distributed (all_gather) for now.
+all_gather_scales) run over torch.distributed (all_gather) for now; with gather=True on the kernel
+path the kernel writes y and q straight into its rows of the gathered tensors, gathered in place
+(no send buffer, no local copy).
 """
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ from distnorm.args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check
                            check_rows_aligned, format_scalar, kernel_scalars, returned_scales)
 from distnorm.collectives.ops import _handle, _workspace
 from distnorm.collectives.faults import after_launch, raise_if_failed
-from distnorm.collectives.rowsplit import (gather_rows, reduce_rows, scales_to_layout,
-                                           scales_to_linear, slice_bounds, slice_epilogue)
+from distnorm.collectives.rowsplit import (gather_in_place, gather_rows, reduce_rows,
+                                           scales_to_layout, scales_to_linear, slice_bounds,
+                                           slice_epilogue)
 from distnorm.comm.workspace import Workspace
 from distnorm.formats import (NormQuantOutput, QuantSpec, empty_scales, kernel_spec,
                               make_quant_spec, q_dtype, q_shape, scales_geometry, spec_code)
@@ -115,9 +118,18 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
     want_y = norm_out or spec is None
     local = stop - start
     has_scales = spec is not None and scales_geometry(spec, M, H) is not None
+    full = {}  # gather=True on the kernel path: y / q written into the gathered tensors' rows
+    S = -(-M // world)
     if _kernel_fits(workspace, x2):
+        if gather:
+            if want_y:
+                full["y"] = torch.empty(world * S, H, dtype=x2.dtype, device=x2.device)
+            if spec is not None:
+                full["q"] = torch.empty(q_shape(spec, world * S, H), dtype=q_dtype(spec),
+                                        device=x2.device)
         out = _shard_by_kernel(workspace, x2, residual, weight, eps, spec, scale, global_scale,
-                               gemma, want_y, local)
+                               gemma, want_y, local,
+                               {k: t[rank * S:rank * S + local] for k, t in full.items()})
         linear = scales_to_linear(out.scales, spec, local, H) if has_scales and gather else None
     else:
         out = slice_epilogue(reduce_rows(x2, group), x2.dtype, residual, weight, eps, spec, scale,
@@ -127,8 +139,10 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
             out = out._replace(scales=_in_layout(linear, spec, local, H))
     if not gather:
         return out._replace(scales=out.scales if spec is not None else None)
-    q = None if out.q is None else gather_rows(out.q, M, group)
-    y = None if out.y is None else gather_rows(out.y, M, group)
+    q = None if out.q is None else (gather_in_place(full["q"], M, group) if "q" in full else
+                                    gather_rows(out.q, M, group))
+    y = None if out.y is None else (gather_in_place(full["y"], M, group) if "y" in full else
+                                    gather_rows(out.y, M, group))
     s = _in_layout(gather_rows(linear, M, group), spec, M, H) if has_scales else out.scales
     return NormQuantOutput(out.residual, y, q, s if spec is not None else None, None)
 
@@ -189,8 +203,9 @@ def _kernel_fits(ws: Workspace, x: Tensor) -> bool:
 
 
 def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scale, global_scale,
-                     gemma, want_y, local) -> NormQuantOutput:
-    """The reduce-scatter kernel: shard outputs, scales in spec's layout for the shard's rows."""
+                     gemma, want_y, local, given: dict) -> NormQuantOutput:
+    """The reduce-scatter kernel: shard outputs, scales in spec's layout for the shard's rows;
+    given: "y" / "q" outputs to write (the shard's rows of the gathered tensors)."""
     from distnorm.collectives.state import state_of
     from distnorm.kernels.compile_allreduce import compiled_allreduce
 
@@ -198,7 +213,7 @@ def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scal
     kspec = kernel_spec(spec)
     shard_like = x[:local]
     residual_out, y_out, q_out, scales_out = allocate_outputs(
-        shard_like, spec, residual is not None, want_y, None, None, None, None)
+        shard_like, spec, residual is not None, want_y, None, given.get("y"), given.get("q"), None)
     kernel = compiled_allreduce("reducescatter", ws.world_size, DTYPE_NAMES[x.dtype], x.shape[1],
                                 kspec, residual is not None, gemma, y_out is not None, False,
                                 state.tuning.pdl, 0)

@@ -77,8 +77,11 @@ def main() -> None:
                 a, residual, caches = make_inputs(cfg, M, phase == "decode", args.layers, device)
                 row = {"phase": phase, "M": M}
                 for name in FORMS:
+                    before = len(fusion.fused)
                     try:
                         row[name] = _time(forms[name], a, residual, caches) / args.layers
+                        if name == "pass":  # what this shape's compile fused (one compile each)
+                            row["pass_sites"] = len(fusion.fused) - before
                     except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
                         row[name] = None
                         row[name + "_error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -89,7 +92,7 @@ def main() -> None:
         meta = {"device": torch.cuda.get_device_name(), "world": dist.get_world_size(),
                 "model": args.model, "fp8": args.fp8, "layers": args.layers,
                 "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                "fused_sites_per_compile": len(fusion.fused),
+                "fused_sites_per_compile": sorted({r.get("pass_sites") for r in rows} - {None}),
                 "command": "torchrun --nproc-per-node {} benchmarks/bench_tp_layer.py {}".format(
                     dist.get_world_size(), " ".join(sys.argv[1:]))}
         with open(args.out + ".json", "w") as f:
@@ -110,8 +113,9 @@ def write_table(path, meta, rows) -> None:
     lines = [f"# TP decoder layer, {meta['model']}{' FP8' if meta['fp8'] else ''}, "
              f"{meta['world']} x {meta['device']}", "",
              f"Command: `{meta['command']}`; torch {meta['torch']}; {meta['date']}. us per layer "
-             f"(CUDA graph, median, max over ranks). The pass fused {meta['fused_sites_per_compile']} "
-             f"sites in the last compiled stack ({meta['layers']} layers).", "",
+             f"(CUDA graph, median, max over ranks). Sites the pass fused per compiled stack of "
+             f"{meta['layers']} layers (one compile per shape): {meta['fused_sites_per_compile']}.",
+             "",
              "| phase | M | (a) floor | (b) eager NCCL | (c) compile | (d) compile + pass | "
              "(e) distnorm.tp | (d)/(a) | (c)/(d) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

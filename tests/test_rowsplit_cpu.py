@@ -129,3 +129,26 @@ def _subgroup_body() -> None:
 def test_node_chain_refuses_a_subgroup():
     """A chain on 4 of 6 ranks would hang in dist.new_group; it raises instead."""
     spawn(_subgroup_body, 6, timeout_s=300, cpu_only=True)
+
+
+def _gather_in_place_body() -> None:
+    import torch.distributed as dist
+
+    from distnorm.collectives.rowsplit import gather_in_place
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for M, cols, dtype in ((1, 16, torch.uint8), (5, 8, torch.bfloat16), (130, 24, torch.float32)):
+        S = -(-M // world)
+        a, b = slice_bounds(M, world, rank)
+        want = torch.arange(M * cols, dtype=torch.float32).reshape(M, cols).to(dtype)
+        full = torch.full((world * S, cols), 77, dtype=dtype)  # rows not yet gathered: poison
+        full[rank * S:rank * S + (b - a)] = want[a:b]
+        got = gather_in_place(full, M, dist.group.WORLD)
+        assert got.shape == want.shape and torch.equal(got, want), (M, dtype)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gather_in_place(world):
+    """Each rank's rows of the gathered tensor, written in place, end up on every rank (uneven
+    shards, a rank without rows at M = 1; gloo: its input is copied out of the output first)."""
+    spawn(_gather_in_place_body, world, timeout_s=120, cpu_only=True)

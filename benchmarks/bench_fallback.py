@@ -98,16 +98,19 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="also time the node chain with nodes of this many ranks")
+    p.add_argument("--buffer-mib", type=int, default=64,
+                   help="workspace data buffer (MiB): the no-peer forms run in chunks that fit it")
     args = p.parse_args()
+    buffer_bytes = args.buffer_mib << 20
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     G = args.ranks_per_node
     paths = PATHS + (("nodechain",) if G and 1 < G < world else ())
-    chain = (distnorm.Workspace(backend="none", buffer_bytes=64 << 20, ranks_per_node=G)
+    chain = (distnorm.Workspace(backend="none", buffer_bytes=buffer_bytes, ranks_per_node=G)
              if "nodechain" in paths else None)
-    with distnorm.Workspace(buffer_bytes=64 << 20) as peer, \
-            distnorm.Workspace(backend="none", buffer_bytes=64 << 20) as nccl:
+    with distnorm.Workspace(buffer_bytes=buffer_bytes) as peer, \
+            distnorm.Workspace(backend="none", buffer_bytes=buffer_bytes) as nccl:
         for M, H in SHAPES:
             g = torch.Generator("cuda").manual_seed(rank)
             x = torch.randn(M, H, device="cuda", generator=g).to(torch.bfloat16)

@@ -7,26 +7,21 @@ fresh views / slices / allocated outputs, and of making those alone (M = 1, H = 
 Results: benchmarks/results/allreduce_host_time_shared_h200.md (run on nvidia-h200, 2026-11-24).
 """
 import os
-import time
+import sys
 
-import torch
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
 
-import distnorm
-from distnorm.args import kernel_scalars
-from distnorm.formats import make_quant_spec
-from distnorm.ops import _call_kernels, _rows_bucket
+import torch  # noqa: E402
+from common import host_us_per_call  # noqa: E402
+
+import distnorm  # noqa: E402
+from distnorm.args import kernel_scalars  # noqa: E402
+from distnorm.formats import make_quant_spec  # noqa: E402
+from distnorm.ops import _call_kernels, _rows_bucket  # noqa: E402
 
 
 def timed(name, fn, n=3000):
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    print(f"{name:44s} {us:7.2f} us")
+    print(f"{name:44s} {host_us_per_call(fn, n, warmup=200):7.2f} us")
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from distnorm.collectives.rowsplit import (exchange_slices, fold_slices, linear_spec,
                                            scales_to_layout, slice_bounds)
-from distnorm.formats import QuantSpec
+from distnorm.formats import QuantSpec, q_shape, scales_geometry
 
 __all__ = ["allreduce_no_peer", "fold_epilogue", "form_for", "COLLECTIVE_BYTES"]
 
@@ -43,7 +43,7 @@ def out_row_bytes(spec: Optional[QuantSpec], H: int, dtype: torch.dtype, has_res
     """Bytes of one row's outputs: residual, y, q codes, scales."""
     n = H * dtype.itemsize * (int(has_residual) + int(want_y))
     if spec is not None and spec.kind != "none":
-        n += H // 2 if spec.packed_fp4 else H
+        n += q_shape(spec, 1, H)[1]  # one byte per code column
         if spec.info.scale_dtype is not None:
             sdtype, per_row = _scales_row(spec, H)
             n += per_row * sdtype.itemsize
@@ -86,8 +86,9 @@ def fold_epilogue(parts: Tensor, residual: Optional[Tensor], weight: Tensor, eps
 
 
 def _scales_row(spec: QuantSpec, H: int) -> tuple[torch.dtype, int]:
-    """(dtype, values per row) of spec's linear row-major scales."""
-    return spec.info.scale_dtype, (1 if spec.info.scales == "row" else H // spec.group_size)
+    """(dtype, values per row) of spec's linear row-major scales (what the split form packs)."""
+    (_, per_row), _, dtype = scales_geometry(linear_spec(spec), 1, H)
+    return dtype, per_row
 
 
 class PackedRows:

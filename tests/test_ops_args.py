@@ -12,17 +12,10 @@ import pytest
 import torch
 
 import distnorm
+from bad_calls import BAD_CASES, bad_call, inputs as _inputs
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SCALARS = {"scale": 0.05, "global_scale": 200.0}
-
-
-def _inputs(shape, device, seed=0, dtype=torch.bfloat16):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(*shape, generator=g) * 3).to(dtype).to(device)
-    res = torch.randn(*shape, generator=g).to(dtype).to(device)
-    w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype).to(device)
-    return x, res, w
 
 
 def _kwargs(quant, opts, device):
@@ -179,56 +172,11 @@ def test_readme_use_snippet_runs_as_written():
     assert out.scales.shape == (128, 256)
 
 
-def _bad_call(case, device):
-    """One bad single-GPU call per argument the CUDA kernel's own entry checks (the eager CUDA path
-    leaves those checks to it: ops._launch_kernel_checked), and the library's message for it."""
-    x, res, w = _inputs((4, 512), device)
-    s = torch.tensor([0.05], device=device)
-    f8 = torch.float8_e4m3fn
-    calls = {
-        "residual rows": (lambda: distnorm.add_rmsnorm(x, res[:3], w), "residual must have shape"),
-        "residual dtype": (lambda: distnorm.add_rmsnorm(x, res.half(), w), "residual must have dtype"),
-        "residual type": (lambda: distnorm.add_rmsnorm(x, [1.0], w), "residual must be a torch.Tensor"),
-        "weight length": (lambda: distnorm.add_rmsnorm(x, res, w[:256]), "weight must be a [512]"),
-        "weight dtype": (lambda: distnorm.add_rmsnorm(x, res, w.float()), "weight must be a [512]"),
-        "x dtype": (lambda: distnorm.add_rmsnorm(x.float(), None, w.float()),
-                    "x must be bfloat16 or float16"),
-        "H": (lambda: distnorm.add_rmsnorm(x[:, :264], None, w[:264], quant="fp8_per_group", group_size=128),
-              "hidden size H=264"),
-        "scale missing": (lambda: distnorm.add_rmsnorm(x, res, w, quant="fp8"), "scale is required"),
-        "scale dtype": (lambda: distnorm.add_rmsnorm(x, res, w, quant="fp8", scale=s.double()),
-                        "scale must be a float32 tensor of one element"),
-        "scale size": (lambda: distnorm.add_rmsnorm(x, res, w, quant="fp8", scale=s.repeat(2)),
-                       "scale must be a float32 tensor of one element"),
-        "residual_out rows": (lambda: distnorm.add_rmsnorm(x, res, w, residual_out=res[:2].clone()),
-                              "residual_out must have shape"),
-        "y_out dtype": (lambda: distnorm.add_rmsnorm(x, res, w, y_out=res.half()), "y_out must have dtype"),
-        "q_out dtype": (lambda: distnorm.add_rmsnorm(x, res, w, quant="fp8", scale=s, q_out=res.clone()),
-                        "q_out must have dtype"),
-        "q_out shape": (lambda: distnorm.add_rmsnorm(
-            x, res, w, quant="nvfp4", global_scale=s, q_out=torch.empty(4, 512, dtype=torch.uint8, device=device)),
-            "q_out must have shape"),
-        "scales_out strides": (lambda: distnorm.add_rmsnorm(
-            x, res, w, quant="fp8_per_group", group_size=128,
-            scales_out=torch.empty(4, 4, device=device).t().contiguous().t()), "scales_out must have shape"),
-        "q_out misaligned": (lambda: distnorm.add_rmsnorm(
-            x, res, w, quant="fp8", scale=s,
-            q_out=torch.empty(4 * 512 + 8, dtype=f8, device=device)[1:1 + 4 * 512].view(4, 512)),
-            "q_out rows must start at 8-byte aligned"),
-        "eps int-like string": (lambda: distnorm.add_rmsnorm(x, res, w, "1e-6"), "eps must be a finite"),
-    }
-    return calls[case]
-
-
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["residual rows", "residual dtype", "residual type", "weight length",
-                                  "weight dtype", "x dtype", "H", "scale missing", "scale dtype",
-                                  "scale size", "residual_out rows", "y_out dtype", "q_out dtype",
-                                  "q_out shape", "scales_out strides", "q_out misaligned",
-                                  "eps int-like string"])
+@pytest.mark.parametrize("case", BAD_CASES)
 def test_bad_argument_errors_name_the_argument(device, case):
     """Every bad argument ends in the library's error naming it, on the CUDA fast path too."""
-    call, message = _bad_call(case, device)
+    call, message = bad_call(case, device, distnorm.add_rmsnorm)
     with pytest.raises((ValueError, TypeError), match=re.escape(message)):
         call()
 

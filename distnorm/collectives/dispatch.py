@@ -8,6 +8,7 @@ docs/SEMANTICS.md; outputs are bitwise identical on every rank.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 import torch
@@ -18,11 +19,11 @@ from distnorm.args import (DTYPE_NAMES, check_rows_aligned, format_scalar, kerne
 from distnorm.collectives.faults import after_launch, raise_if_failed
 from distnorm.collectives.plan import Tuning, plan_launch
 from distnorm.collectives.state import state_of
-from distnorm.formats import QuantSpec, kernel_spec
+from distnorm.formats import MAX_HIDDEN, MIN_HIDDEN, VEC, QuantSpec, kernel_spec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["run", "gathered_sum"]
+__all__ = ["run", "launch_eager", "gathered_sum", "PlannedCall"]
 
 
 def _rows(t: Optional[Tensor], a: int, b: int) -> Optional[Tensor]:
@@ -49,31 +50,46 @@ def allreduce_kernel_key(algo: str, world: int, dtype: torch.dtype, H: int,
             write_allreduce, tuning.pdl, tuning.rows_per_cta.get(algo, 0))
 
 
+class PlannedCall:
+    """What a call of one shape launches over one workspace (collectives/state.py keeps one per
+    call shape, so an eager call does not plan again: host time)."""
+
+    __slots__ = ("algo", "step", "kernel", "ctas", "scalar")
+
+    def __init__(self, ws, algo: str, M: int, H: int, dtype: torch.dtype,
+                 spec: Optional[QuantSpec], has_residual: bool, gemma: bool, write_y: bool,
+                 write_allreduce: bool, plain: bool) -> None:
+        from distnorm.kernels.compile_allreduce import compiled_allreduce
+
+        state = state_of(ws)
+        kspec = kernel_spec(spec)
+        gather_acc = write_allreduce and has_residual
+        self.algo, self.step = plan_launch(algo, ws.world_size, M, H, dtype.itemsize,
+                                           ws.buffer_bytes, kspec.swizzled, gather_acc, plain)
+        key = allreduce_kernel_key(self.algo, ws.world_size, dtype, H, kspec, has_residual, gemma,
+                                   write_y, write_allreduce, state.tuning)
+        self.kernel = compiled_allreduce(*key)
+        self.ctas = state.grid_cap(ws.device, H, kspec, key[-1])
+        self.scalar = format_scalar(spec)  # the one scalar argument the format takes
+
+
 def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
                q_out, scales_out, ar_out, ws, algo: str) -> None:
     """The all-reduce kernels over `ws`'s peer mappings, in launches that fit its data buffer."""
-    from distnorm.kernels.compile_allreduce import compiled_allreduce
-
     M, H = x.shape
     if M == 0:
         return
     state = state_of(ws)
-    tuning = state.tuning
-    kspec = kernel_spec(spec)
-    gather_acc = ar_out is not None and residual is not None
     plain = residual_out is None and y_out is None and q_out is None
-    algo, step = plan_launch(algo, ws.world_size, M, H, x.element_size(), ws.buffer_bytes,
-                             kspec.swizzled, gather_acc, plain)
-    key = allreduce_kernel_key(algo, ws.world_size, x.dtype, H, kspec, residual is not None, gemma,
-                               y_out is not None, ar_out is not None, tuning)
-    rows_per_cta = key[-1]
-    kernel = compiled_allreduce(*key)
+    call = state.planned_call(ws, algo, M, H, x.dtype, spec, residual is not None, gemma,
+                              y_out is not None, ar_out is not None, plain)
+    kernel, step = call.kernel, call.step
     state.check_signal_pad(ws)
     raise_if_failed(ws)  # pinned words: cheap; a failed workspace launches nothing until reset
-    ptrs = state.lamport_table(ws) if algo == "lamport" else ws.buffer_ptrs
-    ctas = state.grid_cap(x.device, H, kspec, rows_per_cta)
-    scale, global_scale = kernel_scalars(format_scalar(spec), scale, global_scale)
-    tail = (ptrs, ws.signal_ptrs, ws.error_flag_device, ws.rank, ctas, float(eps), tuning.timeout_ns)
+    ptrs = state.lamport_table(ws) if call.algo == "lamport" else ws.buffer_ptrs
+    scale, global_scale = kernel_scalars(call.scalar, scale, global_scale)
+    tail = (ptrs, ws.signal_ptrs, ws.error_flag_device, ws.rank, call.ctas, float(eps),
+            state.tuning.timeout_ns)
     if step >= M:  # one launch: the tensors as given (six row slices cost microseconds of host time)
         kernel(x, residual, residual_out, weight, y_out, q_out, scales_out, scale, global_scale,
                ar_out, *tail)
@@ -84,6 +100,48 @@ def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, resid
                    _rows(y_out, a, b), _rows(q_out, a, b), _scale_rows(spec, scales_out, a, b),
                    scale, global_scale, _rows(ar_out, a, b), *tail)
     after_launch(ws, x.device)
+
+
+def launch_eager(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
+                 q_out, scales_out, ar_out, ws, algo: str) -> bool:
+    """The eager CUDA call of one launch with the argument checks left to the kernel's entry (as
+    ops._launch_kernel_checked does for the single-GPU op, which says what the entry checks: dtype,
+    rank, H, one M for all rows, strides, alignment, one device): False, having launched nothing,
+    when the call must take the checked path (collectives/ops.py), which raises the library's
+    message or, if every check passes there, runs the call. What the entry cannot know is checked
+    here: the workspace (open, with peer mappings, on x's device), eps, the format's scalar being
+    given, the call fitting one launch (the lamport areas prepared), H in the kernels' range (no
+    compile attempt for a size they refuse). Outputs are allocated."""
+    if type(eps) is not float or not 0.0 <= eps < math.inf or not ws.p2p_ok:
+        return False
+    try:
+        M, H = x.shape
+        if (M == 0 or x.get_device() != ws.device_index or H % VEC
+                or not MIN_HIDDEN <= H <= MAX_HIDDEN):
+            return False
+        state = state_of(ws)
+        plain = residual_out is None and y_out is None and q_out is None
+        call = state.planned_call(ws, algo, M, H, x.dtype, spec, residual is not None, gemma,
+                                  y_out is not None, ar_out is not None, plain)
+        scalar = call.scalar
+        if call.step < M or scalar and (scale if scalar == "scale" else global_scale) is None:
+            return False
+        if call.algo == "lamport":
+            ptrs = state.lamport_ptrs
+            if ptrs is None:  # the first lamport call prepares the areas (collective)
+                return False
+        else:
+            ptrs = ws.buffer_ptrs
+        state.check_signal_pad(ws)
+        raise_if_failed(ws)
+        scale, global_scale = kernel_scalars(scalar, scale, global_scale)
+        call.kernel(x, residual, residual_out, weight, y_out, q_out, scales_out, scale,
+                    global_scale, ar_out, ptrs, ws.signal_ptrs, ws.error_flag_device, ws.rank,
+                    call.ctas, eps, state.tuning.timeout_ns)
+    except Exception:  # noqa: BLE001 - nothing launched; the checked path says what was wrong
+        return False
+    after_launch(ws, x.device)
+    return True
 
 
 def gathered_sum(x: Tensor, group) -> Tensor:

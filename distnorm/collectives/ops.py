@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from distnorm.args import (allocate_outputs, check_op_inputs, check_rows, check_values,
-                           returned_scales)
+                           checked_mode, returned_scales)
 from distnorm.collectives import dispatch
 from distnorm.collectives.faults import raise_if_failed
 from distnorm.collectives.plan import ALGOS
@@ -60,6 +60,12 @@ def _(x, residual, weight, eps, quant, scale, global_scale, gemma, residual_out,
     return None
 
 
+def _eager_cuda(x: Tensor, ws) -> bool:
+    """An eager call on CUDA tensors outside checked mode: it may take dispatch.launch_eager."""
+    return (x.is_cuda and isinstance(ws, Workspace) and not checked_mode()
+            and not torch.compiler.is_compiling())
+
+
 def _check_call(ws, x: Tensor, algo: str) -> None:
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
@@ -97,12 +103,32 @@ def allreduce_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor,
                             y_out=y_out, q_out=q_out, scales_out=scales_out)
     spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
                            scale_major=scale_major, scale_ue8m0=scale_ue8m0)
+    want_y = norm_out or spec is None or y_out is not None
+    ar_out = None
+    if _eager_cuda(x, workspace):
+        # the argument checks left to the kernel's entry (dispatch.launch_eager); outputs it
+        # allocated stay allocated for the checked path if it declines
+        try:
+            residual_out, y_out, q_out, scales_out = allocate_outputs(
+                x, spec, residual is not None, want_y, residual_out, y_out, q_out, scales_out,
+                check_given=False)
+        except Exception:  # noqa: BLE001 - the checked path says what was wrong
+            pass
+        else:
+            if allreduce_out:
+                ar_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+            if dispatch.launch_eager(x, residual, weight, eps, spec, scale, global_scale, gemma,
+                                     residual_out, y_out, q_out, scales_out, ar_out, workspace,
+                                     algo):
+                # tuple.__new__: the NamedTuple's own __new__ is a Python function (host time)
+                return tuple.__new__(NormQuantOutput, (
+                    residual_out, y_out, q_out, returned_scales(spec, scale, scales_out), ar_out))
     check_op_inputs(x, residual, weight, spec, scale, global_scale, eps)
     _check_call(workspace, x, algo)
-    want_y = norm_out or spec is None or y_out is not None
     residual_out, y_out, q_out, scales_out = allocate_outputs(
         x, spec, residual is not None, want_y, residual_out, y_out, q_out, scales_out)
-    ar_out = torch.empty_like(x, memory_format=torch.contiguous_format) if allreduce_out else None
+    if allreduce_out and ar_out is None:
+        ar_out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if torch.compiler.is_compiling():
         _allreduce_add_rmsnorm_out(x, residual, weight, float(eps), spec_code(spec), scale,
                                    global_scale, gemma, residual_out, y_out, q_out, scales_out,
@@ -123,6 +149,12 @@ def allreduce(x: Tensor, *, workspace: Workspace, algo: str = "auto",
         result = allreduce(as_rows("x", x), workspace=workspace, algo=algo,
                            out=as_rows("out", out, tuple(x.shape[:-1])))
         return out if out is not None else result.view(x.shape)
+    if _eager_cuda(x, workspace):  # the argument checks left to the kernel's entry
+        if out is None:  # kept for the checked path if launch_eager declines
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if dispatch.launch_eager(x, None, state_of(workspace).ones(x), 1e-6, None, None, None,
+                                 False, None, None, None, None, out, workspace, algo):
+            return out
     check_rows("x", x, None, x.shape)
     if x.shape[1] % VEC or not MIN_HIDDEN <= x.shape[1] <= MAX_HIDDEN:
         raise ValueError(f"x's last dim H must be a multiple of {VEC} in [{MIN_HIDDEN}, "

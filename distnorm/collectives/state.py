@@ -21,6 +21,8 @@ from distnorm.formats import QuantSpec
 
 __all__ = ["AllReduceState", "state_of", "zero_region"]
 
+MAX_PLANNED_CALLS = 4096  # call shapes whose plan a workspace keeps
+
 
 class AllReduceState:
     """Per-workspace state of the all-reduce ops (see the module docstring).
@@ -41,6 +43,7 @@ class AllReduceState:
         self._signal_checked = False
         self._grid_caps: dict = {}
         self._ones: dict = {}
+        self._calls: dict = {}
 
     def check_signal_pad(self, ws) -> None:
         """Once: the workspace's signal pad holds every region and the group fits the kernels."""
@@ -106,6 +109,20 @@ class AllReduceState:
         self.fill_lamport(ws)
         host_barrier(ws, HOST_BARRIER_RESET_B, self.resets, timeout)
         self.lamport_ptrs = self._lamport_table(ws)
+
+    def planned_call(self, ws, algo: str, M: int, H: int, dtype: torch.dtype,
+                     spec: Optional[QuantSpec], has_residual: bool, gemma: bool, write_y: bool,
+                     write_allreduce: bool, plain: bool):
+        """The dispatch.PlannedCall of a call of this shape (planned and compiled on first use)."""
+        key = (algo, M, H, dtype, spec, has_residual, gemma, write_y, write_allreduce, plain)
+        call = self._calls.get(key)
+        if call is None:
+            from distnorm.collectives.dispatch import PlannedCall
+
+            if len(self._calls) >= MAX_PLANNED_CALLS:  # prefill sees many M: keep it bounded
+                self._calls.clear()
+            call = self._calls[key] = PlannedCall(ws, *key)
+        return call
 
     def grid_cap(self, device: torch.device, hidden: int, spec: QuantSpec, rows_per_cta: int) -> int:
         """Most CTAs of one all-reduce launch: all of them co-resident (kernels/allreduce.py)."""

@@ -67,6 +67,9 @@ else:
 # algorithm and format at 7168 (and 16384) bitwise to each other, so twoshot's check against the
 # reference there covers the others; twoshot at 4096 meets the reference in test_cuda_graph_replays
 # and the peer path in test_rowsplit_gpu.
+# test_eager_path_skips_python_checks_and_keeps_errors: (quant, its scalar argument, allreduce_out)
+EAGER_CASES = [(None, None, False), ("fp8", "scale", False), ("fp8", "scale", True),
+               ("fp8_per_token", None, False), ("nvfp4", "global_scale", False)]
 HIDDEN_OF = {algo: HIDDEN if FULL or QUICK else [HIDDEN[i % len(HIDDEN)]]
              for i, algo in enumerate(ALGOS)}
 
@@ -487,6 +490,89 @@ def _body_nd_inputs() -> None:
         ws.barrier()
 
 
+def _body_eager_path() -> None:
+    """Eager CUDA calls take dispatch.launch_eager (the Python argument checks, which cost host
+    time, do not run) and give the checked path's bytes, every algorithm, plain and fused, outputs
+    allocated and passed; each bad argument still ends in the library's message naming it (the
+    single-GPU op's cases, tests/bad_calls.py) having launched nothing: good calls after them
+    are right."""
+    import re
+
+    import distnorm
+    from distnorm.collectives import allreduce, allreduce_add_rmsnorm
+    from distnorm.collectives import ops as ar_ops
+    from distnorm.comm import Workspace
+    from bad_calls import BAD_CASES, bad_call
+    from quant_check import poison_like
+
+    boot = _boot()
+    with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
+        def op(*args, **kw):
+            return allreduce_add_rmsnorm(*args, workspace=ws, **kw)
+
+        def checked(fn):
+            previous = distnorm.set_value_checks(True)
+            try:
+                return fn()
+            finally:
+                distnorm.set_value_checks(previous)
+
+        def refuse(*args, **kw):
+            raise AssertionError("the Python checks ran")
+
+        def poisoned(like):
+            t = torch.empty_like(like)
+            poison_like(t)
+            return t
+
+        def check():
+            for case in BAD_CASES:
+                call, message = bad_call(case, "cuda", op)
+                with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+                    call()
+            x, res, w = _inputs(5, 4096, ws.rank, 4242)
+            s = torch.tensor([0.05], device="cuda")
+            gs = torch.tensor([200.0], device="cuda")
+            for algo in ALGOS:
+                for quant, scalar, ar in EAGER_CASES:
+                    kw = {} if scalar is None else {scalar: {"scale": s, "global_scale": gs}[scalar]}
+
+                    def call(**outs):
+                        return op(x, res, w, 1e-6, quant=quant, algo=algo, norm_out=True,
+                                  allreduce_out=ar, **kw, **outs)
+                    want = checked(call)
+                    saved = ar_ops.check_op_inputs
+                    ar_ops.check_op_inputs = refuse
+                    try:
+                        got = call()
+                        passed = call(**{f"{name}_out": poisoned(getattr(want, name))
+                                         for name in ("residual", "y", "q", "scales")
+                                         if getattr(want, name) is not None
+                                         and not (name == "scales" and quant == "fp8")})
+                    finally:
+                        ar_ops.check_op_inputs = saved
+                    torch.cuda.synchronize()
+                    for out in (got, passed):
+                        for name in ("residual", "y", "q", "scales", "allreduce"):
+                            a, b = getattr(out, name), getattr(want, name)
+                            assert (a is None) == (b is None), f"{algo} {quant} {name}"
+                            assert b is None or torch.equal(a.view(torch.uint8),
+                                                            b.view(torch.uint8)), \
+                                f"{algo} {quant} allreduce_out={ar}: {name} differs"
+                want = checked(lambda: allreduce(x, workspace=ws, algo=algo))
+                saved = ar_ops.check_rows
+                ar_ops.check_rows = refuse
+                try:
+                    got = allreduce(x, workspace=ws, algo=algo)
+                    passed = allreduce(x, workspace=ws, algo=algo, out=poisoned(x))
+                finally:
+                    ar_ops.check_rows = saved
+                torch.cuda.synchronize()
+                assert torch.equal(got, want) and torch.equal(passed, want), f"{algo} plain"
+        _gathered_check(boot, check)
+        ws.barrier()
+
+
 def _body_batch_invariance() -> None:
     """A row's outputs (residual, y, q, scales, all-reduce) at H = 7168 and 16384 are bitwise the
     same in batches of M = 1, 7, 128, 4099 and under every algorithm, and the single-GPU kernel on
@@ -562,6 +648,10 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
                               not (residual or write_y or spec is not None))
         return ("allreduce", *allreduce_kernel_key(algo, world, bf16, H, spec, residual, False,
                                                    write_y, write_ar))
+    if test == "test_eager_path_skips_python_checks_and_keeps_errors":
+        return [launched(algo, 5, 4096, formats.make_quant_spec(quant), True, True, ar)
+                for algo in ALGOS for quant, _, ar in EAGER_CASES] + [
+                launched(algo, 5, 4096, None, False, False, True) for algo in ALGOS]
     if test == "test_cuda_graph_replays":
         return [launched(params["algo"], 64, 4096, spec_of("fp8_per_token"), True, True, False)]
     if test == "test_back_to_back_changing_m":
@@ -621,6 +711,10 @@ def test_dependent_chain_pdl():
 
 def test_nd_inputs():
     run_distributed(_body_nd_inputs, timeout_s=TIMEOUT_S)
+
+
+def test_eager_path_skips_python_checks_and_keeps_errors():
+    run_distributed(_body_eager_path, timeout_s=TIMEOUT_S)
 
 
 def test_batch_invariance():

@@ -61,8 +61,9 @@ def _(x, residual, weight, eps, quant, scale, global_scale, gemma, residual_out,
 
 
 def _eager_cuda(x: Tensor, ws) -> bool:
-    """An eager call on CUDA tensors outside checked mode: it may take dispatch.launch_eager."""
-    return (x.is_cuda and isinstance(ws, Workspace) and not checked_mode()
+    """An eager call on CUDA tensors over a workspace with peer mappings, outside checked mode: it
+    may take dispatch.launch_eager."""
+    return (x.is_cuda and isinstance(ws, Workspace) and ws.p2p_ok and not checked_mode()
             and not torch.compiler.is_compiling())
 
 

@@ -114,3 +114,39 @@ def test_choose_algo_rejects_unknown():
     assert ALGOS == ("auto", "lamport", "oneshot", "twoshot")
     with pytest.raises(ValueError, match="algo must be one of"):
         choose_algo("ring", 2, 1, 4096, 2)
+
+
+def test_planned_calls_are_kept_per_shape(monkeypatch):
+    """AllReduceState.planned_call (the eager path's per-shape plan, dispatch.PlannedCall): one
+    plan per call shape, M included (algorithm and rows per launch depend on it), equal to
+    plan_launch's; the kernel compiled and the grid cap asked once per plan; bounded."""
+    import types
+
+    import torch
+
+    from distnorm.collectives import dispatch, state as state_mod
+    from distnorm.collectives.plan import plan_launch
+    from distnorm.formats import make_quant_spec
+    from distnorm.kernels import compile_allreduce
+
+    compiled = []
+    monkeypatch.setattr(compile_allreduce, "compiled_allreduce",
+                        lambda *key: compiled.append(key) or ("kernel", key))
+    monkeypatch.setattr(state_mod.AllReduceState, "grid_cap", lambda self, *a: 264)
+    monkeypatch.setattr(state_mod, "MAX_PLANNED_CALLS", 3)
+    ws = types.SimpleNamespace(world_size=2, buffer_bytes=32 << 20, device=torch.device("cpu"),
+                               _state=state_mod.AllReduceState())
+    ws.op_state = lambda name, factory: ws._state
+    st = ws._state
+    fp8 = make_quant_spec("fp8")
+    shape = ("auto", 1, 4096, torch.bfloat16, fp8, True, False, False, False, False)
+    first = st.planned_call(ws, *shape)
+    assert st.planned_call(ws, *shape) is first and len(compiled) == 1
+    assert isinstance(first, dispatch.PlannedCall) and first.scalar == "scale"
+    for M in (1, 4096, 100_000):
+        call = st.planned_call(ws, "auto", M, 4096, torch.bfloat16, fp8, True, False, False,
+                               False, False)
+        assert (call.algo, call.step) == plan_launch("auto", 2, M, 4096, 2, 32 << 20, False,
+                                                     False, False)
+        assert call.kernel[1][0] == call.algo
+    assert len(st._calls) <= 3  # M = 100000 made the fourth plan: the cache started over

@@ -173,7 +173,7 @@ def _force_cluster(n, H: int) -> bool:
     if n is not None and n not in cluster_sizes(H):
         return False
     ops._cluster_size = _CHOSEN_CLUSTER if n is None else (lambda *key: n)
-    ops._call_kernels.cache_clear()
+    ops.clear_kernel_caches()
     _CHOSEN_SPLIT.cache_clear()  # it asks _cluster_size too
     return True
 
@@ -185,7 +185,7 @@ def _force_split(S) -> bool:
     """Make the ops split every row over S CTAs (clusters) where they may split (not in place);
     None: the library's choice again."""
     ops._split_rows = _CHOSEN_SPLIT if S is None else (lambda *key: S)
-    ops._call_kernels.cache_clear()
+    ops.clear_kernel_caches()
     return True
 
 

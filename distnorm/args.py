@@ -197,12 +197,12 @@ def allocate_outputs(x: Tensor, spec: Optional[QuantSpec], has_residual: bool, w
         elif check_given:
             _check_given("y_out", y_out, x, x.shape, x.dtype)
     if spec is not None:
-        shape, dtype = q_shape(spec, M, H), q_dtype(spec)
         if q_out is None:
+            shape, dtype = q_shape(spec, M, H), q_dtype(spec)
             q_out = (torch.empty_like(x, dtype=dtype, memory_format=_DENSE) if shape[1] == H
                      else x.new_empty(shape, dtype=dtype))
         elif check_given:
-            _check_given("q_out", q_out, x, shape, dtype)
+            _check_given("q_out", q_out, x, q_shape(spec, M, H), q_dtype(spec))
         geo = scales_geometry(spec, M, H)
         if geo is not None:
             if scales_out is None:

@@ -165,6 +165,25 @@ def _call_kernels(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_res
     return _CallKernels((dtype, H, spec, has_residual, gemma, write_y, rows_bucket), slots)
 
 
+@functools.cache
+def _eager_kernels(quant, group_size: int, sf_layout: str, scale_major: str, scale_ue8m0: bool,
+                   dtype: torch.dtype, H: int, has_residual: bool, gemma: bool, write_y: bool,
+                   rows_bucket: int) -> tuple:
+    """(spec, _call_kernels(...)) of an eager call given by add_rmsnorm's own keywords: one
+    dictionary lookup where make_quant_spec and _call_kernels would be two (host time). Raises
+    (and caches nothing) for options make_quant_spec refuses; unhashable ones raise TypeError."""
+    spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
+                           scale_major=scale_major, scale_ue8m0=scale_ue8m0)
+    return spec, _call_kernels(dtype, H, spec, has_residual, gemma, write_y, rows_bucket)
+
+
+def clear_kernel_caches() -> None:
+    """Forget the cached call kernels (_call_kernels, _eager_kernels): after a launch rule changed
+    (benchmarks forcing a cluster size or split, tests faking the compiler)."""
+    _call_kernels.cache_clear()
+    _eager_kernels.cache_clear()
+
+
 def run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out,
                           y_out, q_out, scales_out) -> None:
     """The kernel on checked arguments and allocated outputs. x: [M, H], or [N, M, H]: the rows
@@ -200,8 +219,9 @@ def _impl(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_o
                        y_out, q_out, scales_out)
 
 
-def _launch_kernel_checked(x, residual, weight, eps, spec, scale, global_scale, gemma, want_y,
-                           residual_out, y_out, q_out, scales_out) -> Optional[NormQuantOutput]:
+def _launch_kernel_checked(x, residual, weight, eps, quant, group_size, sf_layout, scale_major,
+                           scale_ue8m0, scale, global_scale, gemma, norm_out, residual_out, y_out,
+                           q_out, scales_out) -> Optional[NormQuantOutput]:
     """The eager CUDA call with the argument checks left to the kernel's entry where it makes them:
     None when this call must take the Python-checked path (which raises the library's message).
 
@@ -214,23 +234,34 @@ def _launch_kernel_checked(x, residual, weight, eps, spec, scale, global_scale, 
     cost 5-10 us of host time per call (args.py). What the entry cannot know is checked here: eps,
     the format's scalar being given, the exact strides of a scales output. Any failure, including
     one from the entry, sends the call to the checked path, which raises with the argument's name
-    (or, if every check passes there, re-raises the kernel's own error)."""
+    (or, if every check passes there, re-raises the kernel's own error). Written flat, one cached
+    lookup for the format and the kernels (_eager_kernels): each Python call layer costs host time
+    (benchmarks/README.md, host time)."""
     if type(eps) is not float or not 0.0 <= eps < math.inf:
         return None
     try:
         M, H = x.shape
         if M == 0:
             return None
-        kernels = _call_kernels(x.dtype, H, spec, residual is not None, gemma, want_y,
-                                _rows_bucket(M))
+        spec, kernels = _eager_kernels(
+            quant, group_size, sf_layout, scale_major, scale_ue8m0, x.dtype, H,
+            residual is not None, gemma, norm_out or quant is None or y_out is not None,
+            _rows_bucket(M))
         scalar = kernels.scalar
         if scalar and (scale if scalar == "scale" else global_scale) is None:
             return None
+        given = (residual_out is not None or y_out is not None or q_out is not None)
         residual_out, y_out, q_out, scales_out = allocate_outputs(
-            x, spec, residual is not None, want_y, residual_out, y_out, q_out, scales_out,
+            x, spec, residual is not None, kernels.key[5], residual_out, y_out, q_out, scales_out,
             check_given=False)
-        kernels.launch(x, residual, weight, eps, scale, global_scale, residual_out, y_out, q_out,
-                       scales_out)
+        if kernels.split > 1 and given and _writes_where_it_reads(x, residual, residual_out, y_out,
+                                                                  q_out):
+            kernel = kernels.in_place_kernel or kernels.compile(True)
+        else:
+            kernel = kernels.kernel or kernels.compile(False)
+        kernel(x, residual, residual_out, weight, y_out, q_out, scales_out,
+               scale if scalar == "scale" else None,
+               global_scale if scalar == "global_scale" else None, eps)
     except Exception:  # noqa: BLE001 - the checked path says what was wrong
         return None
     # tuple.__new__: the NamedTuple's own __new__ is a Python function (0.4 us of host time)
@@ -279,14 +310,15 @@ def add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
                             scale_major=scale_major, scale_ue8m0=scale_ue8m0, gemma=gemma,
                             norm_out=norm_out, residual_out=residual_out, y_out=y_out, q_out=q_out,
                             scales_out=scales_out)
+    if x.is_cuda and not checked_mode() and not torch.compiler.is_compiling():
+        out = _launch_kernel_checked(x, residual, weight, eps, quant, group_size, sf_layout,
+                                     scale_major, scale_ue8m0, scale, global_scale, gemma,
+                                     norm_out, residual_out, y_out, q_out, scales_out)
+        if out is not None:
+            return out
     spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
                            scale_major=scale_major, scale_ue8m0=scale_ue8m0)
     want_y = norm_out or spec is None or y_out is not None
-    if x.is_cuda and not checked_mode() and not torch.compiler.is_compiling():
-        out = _launch_kernel_checked(x, residual, weight, eps, spec, scale, global_scale, gemma,
-                                     want_y, residual_out, y_out, q_out, scales_out)
-        if out is not None:
-            return out
     check_op_inputs(x, residual, weight, spec, scale, global_scale, eps)
     residual_out, y_out, q_out, scales_out = allocate_outputs(
         x, spec, residual is not None, want_y, residual_out, y_out, q_out, scales_out)

@@ -143,7 +143,7 @@ def test_in_place_calls_compile_only_the_kernel_they_launch(monkeypatch):
         return lambda *args: launched.append(key[-2])
 
     monkeypatch.setattr(kernel_compile, "compiled_fused_norm", fake_compile)
-    ops._call_kernels.cache_clear()
+    ops.clear_kernel_caches()
     try:
         x, res = torch.randn(4, 4096).bfloat16(), torch.randn(4, 4096).bfloat16()
         w = torch.ones(4096).bfloat16()
@@ -155,7 +155,7 @@ def test_in_place_calls_compile_only_the_kernel_they_launch(monkeypatch):
                                       torch.empty_like(res), torch.empty_like(x), None, None)
         assert compiled == [1, 4] and launched == [1, 1, 4, 4]
     finally:
-        ops._call_kernels.cache_clear()
+        ops.clear_kernel_caches()
 
 
 def test_kernel_checked_call_allocates_launches_and_falls_back(monkeypatch):
@@ -178,39 +178,38 @@ def test_kernel_checked_call_allocates_launches_and_falls_back(monkeypatch):
         return kernel
 
     monkeypatch.setattr(kernel_compile, "compiled_fused_norm", fake_compile)
-    ops._call_kernels.cache_clear()
+    ops.clear_kernel_caches()
     try:
         M, H = 3, 512
         x, res = torch.randn(M, H).bfloat16(), torch.randn(M, H).bfloat16()
         w = torch.ones(H).bfloat16()
         gs, s = torch.tensor([200.0]), torch.tensor([0.05])
         spec = make_quant_spec("nvfp4")
-        out = ops._launch_kernel_checked(x, res, w, 1e-6, spec, s, gs, False, False,
-                                         None, None, None, None)
+
+        def call(quant, scale, global_scale, norm_out=False, eps=1e-6, rows=M, scales_out=None):
+            return ops._launch_kernel_checked(x[:rows], res[:rows], w, eps, quant, 128,
+                                              "swizzled", "row", False, scale, global_scale,
+                                              False, norm_out, None, None, None, scales_out)
+        out = call("nvfp4", s, gs)
         assert out.residual.shape == (M, H) and out.residual.dtype == x.dtype and out.y is None
         assert out.q.shape == (M, H // 2) and out.q.dtype == torch.uint8
         geo = scales_geometry(spec, M, H)
         assert (out.scales.shape, out.scales.stride(), out.scales.dtype) == geo
         args = calls[-1]
         assert args[7] is None and args[8] is gs and args[9] == 1e-6  # scale dropped: not nvfp4's
-        fp8 = ops._launch_kernel_checked(x, res, w, 1e-6, make_quant_spec("fp8"), s, gs, False, True,
-                                         None, None, None, None)
+        fp8 = call("fp8", s, gs, norm_out=True)
         assert fp8.q.dtype == torch.float8_e4m3fn and fp8.y.shape == (M, H) and fp8.scales is s
         assert calls[-1][7] is s and calls[-1][8] is None
         n = len(calls)
         for eps in (1, float("nan"), -1.0):
-            assert ops._launch_kernel_checked(x, res, w, eps, spec, None, gs, False, False,
-                                              None, None, None, None) is None
-        assert ops._launch_kernel_checked(x, res, w, 1e-6, spec, None, None, False, False,
-                                          None, None, None, None) is None  # global_scale missing
-        assert ops._launch_kernel_checked(x[:0], res[:0], w, 1e-6, spec, None, gs, False, False,
-                                          None, None, None, None) is None  # no rows
+            assert call("nvfp4", None, gs, eps=eps) is None
+        assert call("nvfp4", None, None) is None  # global_scale missing
+        assert call("nvfp4", None, gs, rows=0) is None  # no rows
+        assert call("nvfp5", None, gs) is None  # a format make_quant_spec refuses
         bad_scales = torch.empty_strided(geo[0], (1, geo[0][0]), dtype=geo[2])
-        assert ops._launch_kernel_checked(x, res, w, 1e-6, spec, None, gs, False, False,
-                                          None, None, None, bad_scales) is None
+        assert call("nvfp4", None, gs, scales_out=bad_scales) is None
         assert len(calls) == n  # none of these launched
         refuse.append(True)
-        assert ops._launch_kernel_checked(x, res, w, 1e-6, spec, None, gs, False, False,
-                                          None, None, None, None) is None
+        assert call("nvfp4", None, gs) is None
     finally:
-        ops._call_kernels.cache_clear()
+        ops.clear_kernel_caches()

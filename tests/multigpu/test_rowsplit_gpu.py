@@ -227,3 +227,66 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
 
 def test_nccl_path_bitwise_the_peer_kernels():
     run_distributed(_body, timeout_s=900)
+
+
+SEQPAR_ROWS = (0, 1, 3, 127, 128, 129, 4099)  # uneven shards, 128-row scale tiles crossed
+
+
+def _body_seqpar_rows() -> None:
+    """The sequence-parallel op at the row counts its issue names (M = 0, 1, 3, 127, 128, 129,
+    4099; every format of QUANTS; H = 4096): by the reduce-scatter kernel (peer mappings) and by
+    torch.distributed, each rank's shard (residual, y, q, scales of its rows) and the rows
+    gathered with gather=True (y / q and scales in the full-M layout) bitwise those of
+    allreduce_add_rmsnorm on the same inputs."""
+    import distnorm
+    from distnorm.comm import resolve_bootstrap
+    from quant_check import quant_kwargs
+
+    boot = resolve_bootstrap(None)
+    # 64 MiB: the reduce-scatter kernel holds all 4099 rows (32 MiB would send M = 4099 to
+    # torch.distributed, with a warning, and leave the kernel untested there)
+    peer = distnorm.Workspace(buffer_bytes=64 << 20)
+    nccl = distnorm.Workspace(backend="none", buffer_bytes=32 << 20)
+
+    def check():
+        expect = Expectations()
+        H = 4096
+        w = (torch.rand(H, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+             + 0.5).to(torch.bfloat16)
+        for name, (quant, opts) in QUANTS.items():
+            kw = quant_kwargs(quant, opts, "cuda")
+            for M in SEQPAR_ROWS:
+                g = torch.Generator("cuda").manual_seed(M * 7 + 1000 * peer.rank)
+                x = (torch.randn(M, H, device="cuda", generator=g) * 2).to(torch.bfloat16)
+                res = torch.randn(M, H, device="cuda", generator=torch.Generator("cuda")
+                                  .manual_seed(M + 5)).to(torch.bfloat16)
+                want = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=peer,
+                                                      norm_out=True, **kw)
+                a, b = distnorm.shard_rows(M, peer)
+                for label, ws in (("kernel", peer), ("torch.distributed", nccl)):
+                    tag = f"{name} M={M} {label}"
+                    shard = distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, 1e-6,
+                                                                workspace=ws, norm_out=True, **kw)
+                    full = distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, 1e-6,
+                                                               workspace=ws, gather=True, **kw)
+                    expect(torch.equal(shard.residual, want.residual[a:b]), tag + " shard h")
+                    expect(torch.equal(shard.y, want.y[a:b]), tag + " shard y")
+                    if quant is None:
+                        expect(torch.equal(full.y, want.y), tag + " gathered y")
+                        continue
+                    expect(torch.equal(_bytes(shard.q), _bytes(want.q[a:b])), tag + " shard q")
+                    expect(torch.equal(_bytes(full.q), _bytes(want.q)), tag + " gathered q")
+                    if quant != "fp8":
+                        expect(torch.equal(_bytes(full.scales), _bytes(want.scales)),
+                               tag + " gathered scales")
+        torch.cuda.synchronize()
+        expect.raise_any()
+    try:
+        gathered_check(boot, check)
+    finally:
+        peer.close()
+        nccl.close()
+
+
+def test_seqpar_rows_of_the_issue_bitwise_the_allreduce():
+    run_distributed(_body_seqpar_rows, timeout_s=900)

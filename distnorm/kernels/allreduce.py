@@ -21,7 +21,7 @@ One kernel class, three compile-time algorithms:
   every rank reads the other slices' full rows of gathered h from its local buffer, writes
   residual_out and runs the epilogue. Gathering T(h)
   instead of T(acc) keeps h = T(acc + float(res)) exact (one rounding of the float32 sum) and
-  bitwise identical on all ranks. Final cta_barrier as in one-shot.
+  bitwise identical on all ranks. Final cta_barrier as in one-shot (NOTE [two-shot final barrier]).
   Buffer: scatter [N][S][H] T, then gather h [N*S][H] T, then (optional) gather acc [N*S][H] T.
 
 - "reducescatter" (the sequence-parallel op, collectives/seqpar.py): two-shot's phase 1 over
@@ -38,6 +38,22 @@ One kernel class, three compile-time algorithms:
   The area index lives in the signal pad (NOTE [lamport call state], NOTE [lamport clearing] in
   kernels/lamport.py).
   The buffer-pointer table has LAMPORT_AREAS * N entries: entry k * N + s = rank s's area k.
+
+NOTE [two-shot final barrier]
+What two-shot's last cta_barrier guards (and what a change that drops it must keep safe): phase 3
+reads this rank's gather area, and the NEXT call's first writes into this rank's buffer come from
+peers before that call's first barrier -- one-shot's and two-shot's row pushes into the slots /
+scatter area at the start of the buffer, reduce-scatter's likewise. A peer starts its next call
+as soon as its own grid finished, which needs only our arrival at barrier 2, not the end of our
+phase 3. When the next call's pushes reach past the start of our gather area (N * S_next > N * S:
+one-shot with M_next > S, two-shot or reduce-scatter with S_next > S) they would land on rows we
+may still be reading. Everything else is already ordered: our phase-2 reads of the scatter area
+end before barrier 2, which every peer's grid passed before its next call started; peers write our
+gather area of the next call only after its barrier 1, which we reach only once this grid ended
+(stream order; NOTE [programmatic dependent launch]). So the barrier could go only with gather
+areas that no pre-barrier push can reach (a gather region above every algorithm's push region,
+capacities shrunk to fit), or with a pull-based first phase that writes only locally before
+barrier 1 -- and one-shot / reduce-scatter then still pushing into the lower region.
 
 NOTE [programmatic dependent launch]
 With `pdl` the kernel is launched with the programmatic-stream-serialization attribute: it may be

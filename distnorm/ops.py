@@ -144,10 +144,12 @@ class _CallKernels:
         return kernel
 
     def launch(self, x, residual, weight, eps, scale, global_scale, residual_out, y_out, q_out,
-               scales_out) -> None:
+               scales_out, outputs_given: bool = True) -> None:
         """Launch on x's rows (M > 0) with the outputs given; a scalar the format does not take is
-        ignored."""
-        if self.split > 1 and _writes_where_it_reads(x, residual, residual_out, y_out, q_out):
+        ignored. outputs_given=False: every output was allocated for this call, so none can start
+        where an input does (the in-place check is skipped)."""
+        if (self.split > 1 and outputs_given
+                and _writes_where_it_reads(x, residual, residual_out, y_out, q_out)):
             kernel = self.in_place_kernel or self.compile(True)
         else:
             kernel = self.kernel or self.compile(False)
@@ -234,34 +236,27 @@ def _launch_kernel_checked(x, residual, weight, eps, quant, group_size, sf_layou
     cost 5-10 us of host time per call (args.py). What the entry cannot know is checked here: eps,
     the format's scalar being given, the exact strides of a scales output. Any failure, including
     one from the entry, sends the call to the checked path, which raises with the argument's name
-    (or, if every check passes there, re-raises the kernel's own error). Written flat, one cached
-    lookup for the format and the kernels (_eager_kernels): each Python call layer costs host time
-    (benchmarks/README.md, host time)."""
+    (or, if every check passes there, re-raises the kernel's own error). One cached lookup for the
+    format and the kernels (_eager_kernels) instead of two (host time, benchmarks/README.md)."""
     if type(eps) is not float or not 0.0 <= eps < math.inf:
         return None
     try:
         M, H = x.shape
         if M == 0:
             return None
-        spec, kernels = _eager_kernels(
-            quant, group_size, sf_layout, scale_major, scale_ue8m0, x.dtype, H,
-            residual is not None, gemma, norm_out or quant is None or y_out is not None,
-            _rows_bucket(M))
+        write_y = norm_out or quant is None or y_out is not None
+        spec, kernels = _eager_kernels(quant, group_size, sf_layout, scale_major, scale_ue8m0,
+                                       x.dtype, H, residual is not None, gemma, write_y,
+                                       _rows_bucket(M))
         scalar = kernels.scalar
         if scalar and (scale if scalar == "scale" else global_scale) is None:
             return None
-        given = (residual_out is not None or y_out is not None or q_out is not None)
+        given = residual_out is not None or y_out is not None or q_out is not None
         residual_out, y_out, q_out, scales_out = allocate_outputs(
-            x, spec, residual is not None, kernels.key[5], residual_out, y_out, q_out, scales_out,
+            x, spec, residual is not None, write_y, residual_out, y_out, q_out, scales_out,
             check_given=False)
-        if kernels.split > 1 and given and _writes_where_it_reads(x, residual, residual_out, y_out,
-                                                                  q_out):
-            kernel = kernels.in_place_kernel or kernels.compile(True)
-        else:
-            kernel = kernels.kernel or kernels.compile(False)
-        kernel(x, residual, residual_out, weight, y_out, q_out, scales_out,
-               scale if scalar == "scale" else None,
-               global_scale if scalar == "global_scale" else None, eps)
+        kernels.launch(x, residual, weight, eps, scale, global_scale, residual_out, y_out, q_out,
+                       scales_out, given)
     except Exception:  # noqa: BLE001 - the checked path says what was wrong
         return None
     # tuple.__new__: the NamedTuple's own __new__ is a Python function (0.4 us of host time)

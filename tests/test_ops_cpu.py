@@ -158,6 +158,32 @@ def test_in_place_calls_compile_only_the_kernel_they_launch(monkeypatch):
         ops.clear_kernel_caches()
 
 
+def test_kernel_checked_call_keeps_in_place_calls_unsplit(monkeypatch):
+    """The eager CUDA path (ops._launch_kernel_checked, CPU tensors, faked kernel) takes the same
+    kernel as run_fused_norm_kernel: unsplit rows when an output passed in starts at an input
+    (vLLM's in-place form), split rows when it allocated every output."""
+    pytest.importorskip("cutlass")
+    import distnorm.kernels.compile as kernel_compile
+    from distnorm import ops
+
+    launched = []
+    monkeypatch.setattr(kernel_compile, "compiled_fused_norm",
+                        lambda *key: (lambda *args: launched.append(key[-2])))
+    ops.clear_kernel_caches()
+    try:
+        x, res = torch.randn(4, 4096).bfloat16(), torch.randn(4, 4096).bfloat16()
+        w = torch.ones(4096).bfloat16()
+
+        def call(residual_out, y_out):
+            return ops._launch_kernel_checked(x, res, w, 1e-6, None, 128, "swizzled", "row",
+                                              False, None, None, False, False, residual_out,
+                                              y_out, None, None)
+        assert call(res, x) is not None and launched == [1]  # in place: one CTA per row
+        assert call(None, None) is not None and launched == [1, 4]  # allocated: split rows
+    finally:
+        ops.clear_kernel_caches()
+
+
 def test_kernel_checked_call_allocates_launches_and_falls_back(monkeypatch):
     """ops._launch_kernel_checked (the eager CUDA path, here on CPU tensors with a faked kernel):
     outputs of the format's shapes and dtypes, the format's own scalar only, and None (the checked

@@ -73,6 +73,13 @@ class PlannedCall:
         self.scalar = format_scalar(spec)  # the one scalar argument the format takes
 
 
+def _kernel_tail(call: PlannedCall, ws, state, ptrs, eps) -> tuple:
+    """The all-reduce kernel's arguments after its tensors: peer tables, rank, grid cap, eps,
+    barrier timeout (kernels/allreduce.py's __call__)."""
+    return (ptrs, ws.signal_ptrs, ws.error_flag_device, ws.rank, call.ctas, float(eps),
+            state.tuning.timeout_ns)
+
+
 def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
                q_out, scales_out, ar_out, ws, algo: str) -> None:
     """The all-reduce kernels over `ws`'s peer mappings, in launches that fit its data buffer."""
@@ -88,8 +95,7 @@ def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, resid
     raise_if_failed(ws)  # pinned words: cheap; a failed workspace launches nothing until reset
     ptrs = state.lamport_table(ws) if call.algo == "lamport" else ws.buffer_ptrs
     scale, global_scale = kernel_scalars(call.scalar, scale, global_scale)
-    tail = (ptrs, ws.signal_ptrs, ws.error_flag_device, ws.rank, call.ctas, float(eps),
-            state.tuning.timeout_ns)
+    tail = _kernel_tail(call, ws, state, ptrs, eps)
     if step >= M:  # one launch: the tensors as given (six row slices cost microseconds of host time)
         kernel(x, residual, residual_out, weight, y_out, q_out, scales_out, scale, global_scale,
                ar_out, *tail)
@@ -136,8 +142,7 @@ def launch_eager(x, residual, weight, eps, spec, scale, global_scale, gemma, res
         raise_if_failed(ws)
         scale, global_scale = kernel_scalars(scalar, scale, global_scale)
         call.kernel(x, residual, residual_out, weight, y_out, q_out, scales_out, scale,
-                    global_scale, ar_out, ptrs, ws.signal_ptrs, ws.error_flag_device, ws.rank,
-                    call.ctas, eps, state.tuning.timeout_ns)
+                    global_scale, ar_out, *_kernel_tail(call, ws, state, ptrs, eps))
     except Exception:  # noqa: BLE001 - nothing launched; the checked path says what was wrong
         return False
     after_launch(ws, x.device)

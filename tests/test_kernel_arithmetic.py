@@ -11,21 +11,39 @@ check the kernels themselves):
 import pytest
 import torch
 
-from distnorm.formats import E2M1_GRID, e2m1_codes, swizzled_offset, swizzled_word_row, to_swizzled
+from distnorm.formats import (E2M1_GRID, e2m1_codes, pack_fp4, swizzled_offset, swizzled_word_row,
+                              to_swizzled)
+from distnorm.kernels.norm_quant import E2M1_CODE_BIAS, PACKED_E2M1_BIAS
 
 THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
-def kernel_e2m1_codes(v: torch.Tensor) -> torch.Tensor:
-    """What _e2m1_code computes, step by step (int64 so shifts are plain; the float32 add is
-    torch's, round-to-nearest-even like the GPU's)."""
+def kernel_e2m1_biased(v: torch.Tensor) -> torch.Tensor:
+    """What _e2m1_biased_magnitude computes, step by step (int64 so shifts are plain; the float32
+    add is torch's, round-to-nearest-even like the GPU's)."""
     c = torch.nan_to_num(v.abs(), nan=0.0).clamp(0.0, 6.0)  # e2m1_clamp: max.f32(NaN, 0) = 0
     b = c.view(torch.int32).to(torch.int64)
     binade = b.clamp(min=0x3F800000) & 0x7F800000
     magic = (binade + 0x0B000000).to(torch.int32).view(torch.float32)
     rounded = (magic + c).view(torch.int32).to(torch.int64)
-    code = rounded - binade + ((binade >> 22) - (0x0B000000 + 254))
-    return code | ((v.view(torch.int32).to(torch.int64) >> 28) & 0x8)
+    return rounded - binade + (binade >> 22)
+
+
+def kernel_e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """One element's code: the biased magnitude less its bias, and v's sign bit at bit 3."""
+    return (kernel_e2m1_biased(v) - E2M1_CODE_BIAS) | ((v.view(torch.int32).to(torch.int64) >> 28) & 0x8)
+
+
+def kernel_fp4_words(v: torch.Tensor) -> torch.Tensor:
+    """What _store_q writes for [n, 8] float32 values: the shifted biased magnitudes summed modulo
+    2^32, PACKED_E2M1_BIAS taken off, and ptx.nibble_signs' byte permutes (uint32 in int64)."""
+    biased = kernel_e2m1_biased(v)
+    word = sum(biased[:, e] << (4 * e) for e in range(8))
+    word = (word - PACKED_E2M1_BIAS) & 0xFFFFFFFF
+    top = (v.view(torch.int32).to(torch.int64) >> 24) & 0xFF  # each value's top byte
+    odd = sum(top[:, 2 * i + 1] << (8 * i) for i in range(4))  # prmt 0x73, 0x73, 0x5410
+    even = sum(torch.where(top[:, 2 * i] >= 0x80, 0xFF, 0) << (8 * i) for i in range(4))  # 0xDC98
+    return word | (odd & 0x80808080) | (even & 0x08080808)
 
 
 def _around(values, ulps: int = 4096) -> torch.Tensor:
@@ -47,6 +65,25 @@ def test_kernel_e2m1_arithmetic_matches_reference():
             got = kernel_e2m1_codes(vs)
             bad = (want != got).nonzero().flatten()
             assert bad.numel() == 0, f"{bad.numel()} mismatches, e.g. {vs[bad[:4]].tolist()}"
+
+
+def test_kernel_fp4_words_match_reference_packing():
+    """Whole words: the biases taken off once per word and the signs placed by byte permutes give
+    pack_fp4(e2m1_codes(v)) read as little-endian int32 words (every sign pattern, specials,
+    threshold neighbours and random patterns in every nibble)."""
+    g = torch.Generator().manual_seed(1)
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"), 6.0,
+                             -7.0, 0.25, -0.75, 1.25, 5.0, 2.5, -3.5, 1e-45, 1e30], dtype=torch.float32)
+    near = _around(THRESHOLDS + E2M1_GRID[1:], ulps=64)
+    rand = torch.randint(-(1 << 31), 1 << 31, (1 << 18,), generator=g, dtype=torch.int64)
+    pool = torch.cat([specials, near, -near, rand.to(torch.int32).view(torch.float32)])
+    v = pool[torch.randint(0, pool.numel(), (1 << 18, 8), generator=g)]
+    signs = torch.tensor([[(s >> e) & 1 for e in range(8)] for s in range(256)], dtype=torch.bool)
+    v[:256] = torch.where(signs, -v[:256].abs(), v[:256].abs())  # every sign pattern
+    want = pack_fp4(e2m1_codes(v)).contiguous().view(torch.int32).flatten().to(torch.int64) & 0xFFFFFFFF
+    got = kernel_fp4_words(v)
+    bad = (want != got).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} mismatched words, e.g. {v[bad[:2]].tolist()}"
 
 
 @pytest.mark.parametrize("M, K", [(1, 1), (5, 3), (128, 4), (130, 7), (300, 256), (257, 2048)])

@@ -34,6 +34,10 @@ from distnorm.kernels import ptx
 from distnorm.kernels.tiling import RowTiling
 
 RCP_E2M1_MAX = float(np.float32(1.0) / np.float32(E2M1_MAX))  # = rcp.rn(6.0), folded at trace time
+# what _e2m1_biased_magnitude adds to every code (the magic's bits, less the exponent term's offset)
+E2M1_CODE_BIAS = 0x0B000000 + 254
+# E2M1_CODE_BIAS in each of a word's 8 nibble sums, modulo 2^32, as an int32
+PACKED_E2M1_BIAS = (sum(E2M1_CODE_BIAS << (4 * e) for e in range(VEC)) + (1 << 31)) % (1 << 32) - (1 << 31)
 
 def half_name(dtype) -> str:
     """PTX name of a 16-bit activation dtype."""
@@ -266,16 +270,17 @@ class NormQuantCore:
 
     # ---- packing -------------------------------------------------------------------------------
     @cute.jit
-    def _e2m1_code(self, v: Float32) -> Int32:
-        """The e2m1 code of v (formats.e2m1_codes: RNE, ties to even, saturate at 6, NaN -> 0).
+    def _e2m1_biased_magnitude(self, v: Float32) -> Int32:
+        """The e2m1 magnitude code of v (formats.e2m1_codes without the sign: RNE, ties to even,
+        saturate at 6, NaN -> 0) plus E2M1_CODE_BIAS.
 
         Hopper has no e2m1 convert. With c = |v| clamped to [0, 6] (NaN -> 0, which makes the
         saturation and NaN cases free), one float32 add does the rounding: e2m1's step is 0.5
         below 2, 1 in [2, 4) and 2 in [4, 6], the ulp of M = 2^22, 2^23, 2^24, so M + c rounds c
         to its step exactly once, ties to even, and its low bits count the steps k; the code is
-        k plus 0, 2, 4 for those three ranges (= 2 * exponent of max(c, 1)). Seven SASS
-        instructions per element after the clamp (sm_90a), where a rounding by integer carries
-        with a separate path below 1.0 took eight and a select. Checked against e2m1_codes for every float32 in [0, 6]
+        k plus 0, 2, 4 for those three ranges (= 2 * exponent of max(c, 1)). The constant part
+        (E2M1_CODE_BIAS) is left in: packing is a sum of shifted codes, so the caller removes it
+        once per word. Checked against e2m1_codes for every float32 in [0, 6]
         (tests/test_kernel_arithmetic.py checks the same arithmetic on the interesting ranges).
         """
         c = ptx.e2m1_clamp(v)  # |v| in [0, 6], NaN -> 0
@@ -284,19 +289,22 @@ class NormQuantCore:
             b = Int32(0x3F800000)
         binade = b & 0x7F800000  # the exponent of max(c, 1)
         rounded = ptx.f32_bits(ptx.bits_f32(binade + 0x0B000000) + c)  # + 2^(22 + exponent)
-        # steps + 2 * exponent = rounded - magic + (binade >> 22) - 254
-        code = rounded - binade + ((binade >> 22) - (0x0B000000 + 254))
-        return code | ((ptx.f32_bits(v) >> 28) & 0x8)
+        # steps + 2 * exponent + E2M1_CODE_BIAS = rounded - magic + (binade >> 22)
+        return rounded - binade + (binade >> 22)
 
     @cute.jit
     def _store_q(self, rY, j: cutlass.Constexpr, inv: Float32, tQ, vidx: Int32):
         """Quantize the 8 values of vector j (scaled by inv) and store them as int32 words."""
         if const_expr(self.q.packed_fp4):
+            scaled = []
+            for e in cutlass.range_constexpr(VEC):
+                scaled.append(rY[j * VEC + e] * inv)
             word = Int32(0)
             for e in cutlass.range_constexpr(VEC):
-                # + instead of |: the nibbles do not overlap, and shift-add is one IMAD
-                word = word + (self._e2m1_code(rY[j * VEC + e] * inv) << (4 * e))
-            tQ[vidx] = word
+                # + instead of |: a sum of shifted biased codes (one IMAD each), the biases
+                # removed once below; the magnitudes (< 8) then fill bits 0-2 of each nibble
+                word = word + (self._e2m1_biased_magnitude(scaled[e]) << (4 * e))
+            tQ[vidx] = (word - Int32(PACKED_E2M1_BIAS)) | ptx.nibble_signs(scaled)
         else:
             rW = cute.make_rmem_tensor(cute.make_layout(2), Int32)
             for w in cutlass.range_constexpr(2):

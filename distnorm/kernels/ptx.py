@@ -93,6 +93,20 @@ def e4m3x2(hi, lo, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def nibble_signs(v, *, loc=None, ip=None) -> Int32:
+    """The sign bits of eight float32 values v[0..7] at bits 4e + 3 of one word (the sign bit of
+    each e2m1 nibble), everything else zero. Byte permutes gather each value's top byte; the odd
+    elements' signs are then the bytes' top bits, the even ones' come from bytes of 0xFF / 0x00
+    (prmt's sign-replicating selectors 8..F). 6 PRMT + 2 LOP3 for 8 values, where a shift and a
+    mask per value took 16."""
+    text = ("{ .reg .b32 t, u, o, e; "
+            "prmt.b32 t, $2, $4, 0x73; prmt.b32 u, $6, $8, 0x73; prmt.b32 o, t, u, 0x5410; "
+            "prmt.b32 t, $1, $3, 0x73; prmt.b32 u, $5, $7, 0x73; prmt.b32 e, t, u, 0xDC98; "
+            "and.b32 o, o, 0x80808080; and.b32 e, e, 0x08080808; or.b32 $0, o, e; }")
+    return _i32_asm(text, "=r" + ",f" * 8, *[ir_f32(x, loc, ip) for x in v])
+
+
+@dsl_user_op
 def add_x2(a, b, half: str, *, loc=None, ip=None) -> Int32:
     """Two packed 16-bit floats plus two, one correct rounding each (`half`: "bf16" or "f16").
 

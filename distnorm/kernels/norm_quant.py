@@ -315,16 +315,18 @@ class NormQuantCore:
             tQ[(None, vidx)].store(rW.load())
 
     @cute.jit
-    def _store_scale(self, mS, row: Int32, blk: Int32, value: Float32):
+    def _store_scale(self, mS, row: Int32, blk: Int32, value: Float32, offset=None):
         """Scale of (row, block): float32 for per-token / per-group; else one byte (the e4m3 or
         e8m0 code carried in `value`) through a uint8 recast of mS (nvfp4's is float8_e4m3fn),
-        addressed by the 128x4 layout when swizzled."""
+        addressed by the 128x4 layout when swizzled (at `offset` when the caller has it)."""
         if const_expr(self.q.float_scales):
             mS[row, blk] = value
         elif const_expr(self.q.swizzled):
             flat = cute.make_tensor(cute.recast_ptr(mS.iterator, dtype=cutlass.Uint8),
                                     cute.make_layout(mS.shape[0] * mS.shape[1]))
-            flat[swizzled_offset(row, blk, self.t.hidden // self.q.group_size)] = cutlass.Uint8(Int32(value))
+            if const_expr(offset is None):
+                offset = swizzled_offset(row, blk, self.t.hidden // self.q.group_size)
+            flat[offset] = cutlass.Uint8(Int32(value))
         else:
             cute.recast_tensor(mS, cutlass.Uint8)[row, blk] = cutlass.Uint8(Int32(value))
 
@@ -420,6 +422,13 @@ class NormQuantCore:
                         self._store_q(rY, j, inv, tQ, v)
         else:  # blocked formats: a block is `lanes` consecutive lanes of one vector column j
             lanes = q.group_size // VEC
+            # swizzled: when a vector column's blocks fill whole 4-block runs, vector j's scale sits
+            # a fixed distance from vector 0's (swizzled_offset is linear in blk >> 2 and keeps
+            # blk & 3), so the offset is computed once per row, not once per vector
+            runs_per_column = t.row_threads // lanes // 4 if (t.row_threads // lanes) % 4 == 0 else 0
+            offset0 = None
+            if const_expr(q.swizzled and runs_per_column > 0):
+                offset0 = swizzled_offset(row, lane // lanes, t.hidden // q.group_size)
             for j in cutlass.range_constexpr(nv):
                 v = lane + j * t.row_threads
                 amax = Float32(0.0)
@@ -434,7 +443,10 @@ class NormQuantCore:
                     if const_expr(t.exact) or v < t.vecs:
                         blk = v // lanes
                         if lane % lanes == 0 and scale_valid:
-                            self._store_scale(mS, row, blk, stored)
+                            offset = None
+                            if const_expr(offset0 is not None):
+                                offset = offset0 + j * runs_per_column * 512
+                            self._store_scale(mS, row, blk, stored, offset)
                         if row_valid:
                             self._store_q(rY, j, inv, tQ, v)
             if const_expr(q.swizzled):

@@ -11,8 +11,8 @@ check the kernels themselves):
 import pytest
 import torch
 
-from distnorm.formats import (E2M1_GRID, e2m1_codes, pack_fp4, swizzled_offset, swizzled_word_row,
-                              to_swizzled)
+from distnorm.formats import (E2M1_GRID, E2M1_MAX, E4M3_MAX, e2m1_codes, pack_fp4, swizzled_offset,
+                              swizzled_word_row, to_swizzled, ue8m0_code)
 from distnorm.kernels.norm_quant import E2M1_CODE_BIAS, PACKED_E2M1_BIAS
 
 THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
@@ -84,6 +84,37 @@ def test_kernel_fp4_words_match_reference_packing():
     got = kernel_fp4_words(v)
     bad = (want != got).nonzero().flatten()
     assert bad.numel() == 0, f"{bad.numel()} mismatched words, e.g. {v[bad[:2]].tolist()}"
+
+
+def kernel_ue8m0_of_quotient(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
+    """What NormQuantCore._ue8m0_of_quotient computes (int64, so the add does not wrap)."""
+    e_bits = int(torch.tensor(elem_max, dtype=torch.float32).view(torch.int32))
+    b = amax.view(torch.int32).to(torch.int64)
+    code = ((b + (0x7FFFFF - (e_bits & 0x7FFFFF))) >> 23) - ((e_bits >> 23) - 127)
+    code = code.clamp(min=1)
+    code = torch.where(b <= int(elem_max) // 2, 0, code)
+    return torch.where(b >= 0x7F800000, 255, code)
+
+
+@pytest.mark.parametrize("elem_max", [E4M3_MAX, E2M1_MAX])
+def test_kernel_ue8m0_without_division_matches_reference(elem_max):
+    """The MX block code from amax's bits equals ue8m0_code(amax / elem_max) (the reference's
+    correctly rounded division): every exponent with mantissas around the carry threshold and the
+    ends, subnormal amax around the zero threshold, specials, random non-negative patterns."""
+    g = torch.Generator().manual_seed(2)
+    e_bits = int(torch.tensor(elem_max, dtype=torch.float32).view(torch.int32))
+    exps = torch.arange(0, 256, dtype=torch.int64)[:, None] << 23
+    mants = torch.cat([torch.arange(0, 64), torch.arange(0x800000 - 64, 0x800000),
+                       (e_bits & 0x7FFFFF) + torch.arange(-64, 65)]).to(torch.int64)[None, :]
+    around = (exps + mants).flatten()
+    tiny = torch.arange(0, 4096, dtype=torch.int64)
+    rand = torch.randint(0, 0x7F800000, (1 << 20,), generator=g, dtype=torch.int64)
+    b = torch.cat([around, tiny, rand, torch.tensor([0x7F800000, 0x7FC00000, 0x7FFFFFFF])])
+    amax = b.to(torch.int32).view(torch.float32)
+    want = ue8m0_code(amax / torch.tensor(elem_max, dtype=torch.float32)).to(torch.int64)
+    got = kernel_ue8m0_of_quotient(amax, elem_max)
+    bad = (want != got).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} mismatches, e.g. {amax[bad[:4]].tolist()}"
 
 
 @pytest.mark.parametrize("M, K", [(1, 1), (5, 3), (128, 4), (130, 7), (300, 256), (257, 2048)])

@@ -253,11 +253,7 @@ class NormQuantCore:
             if sf_f == Float32(0.0):
                 inv = Float32(0.0)
         else:  # mxfp8 / mxfp4
-            v = ptx.div_rn(amax, Float32(self.q.elem_max))
-            b = ptx.f32_bits(v)
-            code = ((b >> 23) & 0xFF) + Int32((b & 0x7FFFFF) != 0)
-            if code > 255:
-                code = Int32(255)
+            code = self._ue8m0_of_quotient(amax)
             stored = Float32(code)
             # 2^(127 - code): normal for code <= 253, subnormal 2^-127 for 254, NaN for 255
             inv_bits = (254 - code) << 23
@@ -267,6 +263,30 @@ class NormQuantCore:
                 inv_bits = Int32(0x7FC00000)
             inv = ptx.bits_f32(inv_bits)
         return stored, inv
+
+    @cute.jit
+    def _ue8m0_of_quotient(self, amax: Float32) -> Int32:
+        """formats.ue8m0_code(RN(amax / elem_max)) for amax >= 0 or NaN, without the division.
+
+        With elem_max = (1 + T / 2^23) * 2^S (e4m3: 1.75 * 2^8, e2m1: 1.5 * 2^2) and 2^k a normal
+        float, RN(amax / elem_max) <= 2^k exactly when amax <= elem_max * 2^k (no float lies
+        between elem_max * 2^k and the real bound elem_max * 2^k * (1 + 2^-24), and the tie rounds
+        to 2^k's even mantissa). So for a normal quotient the code, the smallest such k biased, is
+        amax's exponent field - S, + 1 when amax's mantissa exceeds T: one add carries that into
+        the exponent. A subnormal quotient's code is 1, a zero one's 0 (amax <= elem_max * 2^-150,
+        i.e. amax's bits <= elem_max / 2), inf / NaN's 255. tests/test_kernel_arithmetic.py checks
+        this against the division for amax around every threshold and exponent."""
+        e_bits = int(np.float32(self.q.elem_max).view(np.int32))
+        shift = (e_bits >> 23) - 127
+        b = ptx.f32_bits(amax)
+        code = ((b + (0x7FFFFF - (e_bits & 0x7FFFFF))) >> 23) - shift
+        if code < 1:
+            code = Int32(1)  # a subnormal quotient (a zero one is caught next)
+        if b <= int(self.q.elem_max) // 2:
+            code = Int32(0)
+        if b >= 0x7F800000:
+            code = Int32(255)
+        return code
 
     # ---- packing -------------------------------------------------------------------------------
     @cute.jit

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from cute_compile import skip_inductor_cpu_check_where_a_gpu_is
 from distnorm.launch import spawn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -53,6 +54,7 @@ def _body_example(fp8: bool, decode: bool) -> None:
 
 @pytest.mark.parametrize("fp8, decode", [(False, True), (True, False)])
 def test_tp_example_forms_agree(fp8, decode):
+    skip_inductor_cpu_check_where_a_gpu_is()
     if fp8 and not ROWWISE:
         pytest.skip(NO_ROWWISE)
     spawn(_body_example, 2, fp8, decode, timeout_s=900, cpu_only=True)

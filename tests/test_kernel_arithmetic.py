@@ -1,9 +1,13 @@
 """Integer arithmetic the kernels run, checked on the CPU against the reference (the GPU tests
 check the kernels themselves):
-- e2m1 rounding by bit arithmetic (NormQuantCore._e2m1_code), emulated in torch, against
-  formats.e2m1_codes: every float32 within 4096 ulps of each rounding threshold and grid value,
-  the specials, and a million random patterns (run once over every float32 in [0, 6], where the
-  clamp puts every input, when it was written: no mismatch);
+- e2m1 rounding by bit arithmetic (NormQuantCore._e2m1_biased_magnitude), emulated in torch,
+  against formats.e2m1_codes: every float32 within 4096 ulps of each rounding threshold and grid
+  value, the specials, and a million random patterns (run once over every float32 in [0, 6], where
+  the clamp puts every input, when it was written: no mismatch); and whole FP4 words as _store_q
+  packs them (biases removed once per word, signs by ptx.nibble_signs' byte permutes) against
+  pack_fp4(e2m1_codes(v));
+- the MX block code from amax's bits (NormQuantCore._ue8m0_of_quotient) against
+  ue8m0_code(amax / elem_max);
 - the packed 16-bit residual add (NormQuantCore.add_packed: one correct rounding of x + r) against
   the reference's float32 add then rounding;
 - the swizzled-scale offset (formats.swizzled_offset, the very function the kernels call) against

@@ -34,7 +34,8 @@ from distnorm.kernels import ptx
 from distnorm.kernels.tiling import RowTiling
 
 RCP_E2M1_MAX = float(np.float32(1.0) / np.float32(E2M1_MAX))  # = rcp.rn(6.0), folded at trace time
-# what _e2m1_biased_magnitude adds to every code (the magic's bits, less the exponent term's offset)
+# what _e2m1_biased_magnitude returns on top of the magnitude code: its rounded - binade is
+# 0x0B000000 + steps, and binade >> 22 is 254 + 2 * exponent
 E2M1_CODE_BIAS = 0x0B000000 + 254
 # E2M1_CODE_BIAS in each of a word's 8 nibble sums, modulo 2^32, as an int32
 PACKED_E2M1_BIAS = (sum(E2M1_CODE_BIAS << (4 * e) for e in range(VEC)) + (1 << 31)) % (1 << 32) - (1 << 31)

@@ -221,6 +221,12 @@ def _impl(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_o
                        y_out, q_out, scales_out)
 
 
+def _writes_y(norm_out: bool, quant, y_out: Optional[Tensor]) -> bool:
+    """Whether a call writes T(y): asked for, passed an output for it, or without quantization
+    (quant None, the only value make_quant_spec turns into no spec)."""
+    return norm_out or quant is None or y_out is not None
+
+
 def _launch_kernel_checked(x, residual, weight, eps, quant, group_size, sf_layout, scale_major,
                            scale_ue8m0, scale, global_scale, gemma, norm_out, residual_out, y_out,
                            q_out, scales_out) -> Optional[NormQuantOutput]:
@@ -244,7 +250,7 @@ def _launch_kernel_checked(x, residual, weight, eps, quant, group_size, sf_layou
         M, H = x.shape
         if M == 0:
             return None
-        write_y = norm_out or quant is None or y_out is not None
+        write_y = _writes_y(norm_out, quant, y_out)
         spec, kernels = _eager_kernels(quant, group_size, sf_layout, scale_major, scale_ue8m0,
                                        x.dtype, H, residual is not None, gemma, write_y,
                                        _rows_bucket(M))
@@ -313,7 +319,7 @@ def add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
             return out
     spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
                            scale_major=scale_major, scale_ue8m0=scale_ue8m0)
-    want_y = norm_out or spec is None or y_out is not None
+    want_y = _writes_y(norm_out, quant, y_out)
     check_op_inputs(x, residual, weight, spec, scale, global_scale, eps)
     residual_out, y_out, q_out, scales_out = allocate_outputs(
         x, spec, residual is not None, want_y, residual_out, y_out, q_out, scales_out)

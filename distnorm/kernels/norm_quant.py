@@ -33,6 +33,11 @@ from distnorm.formats import (E2M1_MAX, E4M3_MAX, PER_TOKEN_MIN_AMAX, VEC, Quant
 from distnorm.kernels import ptx
 from distnorm.kernels.tiling import RowTiling
 
+# NOTE [one scale per lane]: at most this many vectors per scale group. Measured on H200
+# (benchmarks/results/scale_group_ab_h200.md): 2 is never slower than computing every scale on
+# every lane; 4 and 8 gain 1-2% more for per-group FP8 at H = 32768 and lose 7% at 1024 x 4096
+# (each lane then waits on one longer chain: more vectors' amaxes, then their one scale).
+MAX_SCALE_GROUP = 2
 RCP_E2M1_MAX = float(np.float32(1.0) / np.float32(E2M1_MAX))  # = rcp.rn(6.0), folded at trace time
 # what _e2m1_biased_magnitude returns on top of the magnitude code: its rounded - binade is
 # 0x0B000000 + steps, and binade >> 22 is 254 + 2 * exponent
@@ -443,6 +448,7 @@ class NormQuantCore:
                         self._store_q(rY, j, inv, tQ, v)
         else:  # blocked formats: a block is `lanes` consecutive lanes of one vector column j
             lanes = q.group_size // VEC
+            group = self._scale_group(lanes, part)
             # swizzled: when a vector column's blocks fill whole 4-block runs, vector j's scale sits
             # a fixed distance from vector 0's (swizzled_offset is linear in blk >> 2 and keeps
             # blk & 3), so the offset is computed once per row, not once per vector
@@ -450,29 +456,90 @@ class NormQuantCore:
             offset0 = None
             if const_expr(q.swizzled and runs_per_column > 0):
                 offset0 = swizzled_offset(row, lane // lanes, t.hidden // q.group_size)
-            for j in cutlass.range_constexpr(nv):
-                v = lane + j * t.row_threads
-                amax = Float32(0.0)
+            for g in cutlass.range_constexpr(nv // group):
+                j0 = g * group
+                amax = Float32(0.0)  # defined before a run-time `if` (split rows), as CuTe DSL wants
                 stored = Float32(0.0)
                 inv = Float32(0.0)
-                if self._mine(j, part):  # uniform over the CTA: the shuffles stay matched
-                    for e in cutlass.range_constexpr(VEC):
-                        amax = ptx.fmax_nan(amax, ptx.fabs(rY[j * VEC + e]))
-                    if const_expr(lanes > 1):
-                        amax = cute.arch.warp_reduction(amax, ptx.fmax_nan, threads_in_group=lanes)
+                if self._mine(j0, part):  # uniform over the CTA: the shuffles stay matched
+                    # NOTE [one scale per lane]
+                    amax = self._block_amax(rY, j0, group, lanes, lane)
                     stored, inv = self._block_scale(amax, global_scale, rcp_gs)
-                    if const_expr(t.exact) or v < t.vecs:
-                        blk = v // lanes
-                        if lane % lanes == 0 and scale_valid:
-                            offset = None
-                            if const_expr(offset0 is not None):
-                                offset = offset0 + j * runs_per_column * 512
-                            self._store_scale(mS, row, blk, stored, offset)
-                        if row_valid:
-                            self._store_q(rY, j, inv, tQ, v)
+                    for k in cutlass.range_constexpr(group):
+                        # names unused elsewhere in this function: CuTe DSL types a name per function
+                        j = j0 + k
+                        vk = lane + j * t.row_threads
+                        inv_k = self._lane_value(inv, k, group, lane)
+                        if const_expr(t.exact) or vk < t.vecs:
+                            blk = vk // lanes
+                            if lane % lanes == k and scale_valid:
+                                offset = None
+                                if const_expr(offset0 is not None):
+                                    offset = offset0 + j * runs_per_column * 512
+                                self._store_scale(mS, row, blk, stored, offset)
+                            if row_valid:
+                                self._store_q(rY, j, inv_k, tQ, vk)
             if const_expr(q.swizzled):
                 if lane == 0 and scale_valid and self._mine(0, part):
                     self._zero_padding_columns(mS, row)
+
+    # NOTE [one scale per lane]
+    # A block's `lanes` lanes all need its scale, and the scale's arithmetic (a correctly rounded
+    # division and reciprocal for per-group FP8, the e4m3 round trip and reciprocal for NVFP4, the
+    # UE8M0 code for MX) costs more than quantizing a vector. A lane holds `vecs_per_thread`
+    # vectors, each in another block, so a block's lanes share `group` blocks: lane l computes
+    # only the scale of vector j0 + l % group, from that block's amax (the vectors' own amaxes
+    # reduced and scattered over the lanes by recursive halving, then reduced over the lanes
+    # holding the same vector), and reads the other vectors' multipliers from the lanes that
+    # computed them. The same max and the same scale arithmetic on the same values: the bits do not
+    # change. Split rows keep one vector at a time (group 1): a part skips the vectors it does
+    # not store (NOTE [split rows] in fused_norm.py).
+    def _scale_group(self, lanes: int, part) -> int:
+        """Vectors whose block scales a block's lanes compute one each (NOTE [one scale per
+        lane]): the largest power of two <= min(lanes, MAX_SCALE_GROUP) dividing vecs_per_thread;
+        1 with split rows."""
+        group = 1
+        if part is None or self.split == 1:
+            while (group * 2 <= min(lanes, MAX_SCALE_GROUP)
+                   and self.t.vecs_per_thread % (group * 2) == 0):
+                group *= 2
+        return group
+
+    def _block_amax(self, rY, j0: int, group: int, lanes: int, lane: Int32) -> Float32:
+        """The amax of the block of vector j0 + lane % group (trace-time loops; lanes <= 32, so a
+        block never leaves its warp)."""
+        vals = []
+        for k in range(group):
+            amax = Float32(0.0)
+            for e in range(VEC):
+                amax = ptx.fmax_nan(amax, ptx.fabs(rY[(j0 + k) * VEC + e]))
+            vals.append(amax)
+        o = group // 2
+        while o > 0:  # recursive halving: keep the half of the vectors whose bit o is lane's
+            upper = lane & o
+            kept = []
+            for i in range(o):
+                send = ptx.select_f32(upper, vals[i], vals[i + o])
+                keep = ptx.select_f32(upper, vals[i + o], vals[i])
+                kept.append(ptx.fmax_nan(keep, cute.arch.shuffle_sync_bfly(
+                    send, offset=o, mask=-1, mask_and_clamp=31)))
+            vals = kept
+            o //= 2
+        amax = vals[0]
+        o = group
+        while o < lanes:  # the lanes holding the same vector
+            amax = ptx.fmax_nan(amax, cute.arch.shuffle_sync_bfly(
+                amax, offset=o, mask=-1, mask_and_clamp=31))
+            o *= 2
+        return amax
+
+    def _lane_value(self, value: Float32, k: int, group: int, lane: Int32) -> Float32:
+        """`value` of the lane of this lane's aligned group of `group` lanes whose index in it is k
+        (the multiplier of vector j0 + k); the lane itself when group is 1."""
+        if group == 1:
+            return value
+        return cute.arch.shuffle_sync(value, offset=(lane & ~(group - 1)) + k, mask=-1,
+                                      mask_and_clamp=31)
 
     @cute.jit
     def _zero_padding_columns(self, mS, row: Int32):

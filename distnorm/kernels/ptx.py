@@ -86,6 +86,13 @@ def bits_f32(x, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def select_f32(pick_a, a, b, *, loc=None, ip=None) -> Float32:
+    """a where the int32 pick_a is nonzero, else b."""
+    return _f32_asm("{ .reg .pred p; setp.ne.s32 p, $1, 0; selp.f32 $0, $2, $3, p; }", "=f,r,f,f",
+                    ir_i32(pick_a, loc, ip), ir_f32(a, loc, ip), ir_f32(b, loc, ip))
+
+
+@dsl_user_op
 def e4m3x2(hi, lo, *, loc=None, ip=None) -> Int32:
     """Two float32 -> two saturating e4m3 bytes in the low 16 bits (`lo` in the low byte)."""
     return _i32_asm("{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $2; cvt.u32.u16 $0, t; }",

@@ -4,7 +4,8 @@ same hashes before and after.
 
     CUTE_DSL_ARCH=sm_90a DISTNORM_KEEP_PTX=1 python tests/ptx_fingerprint.py OUT_DIR
 writes OUT_DIR/<variant>.ptx and OUT_DIR/hashes.json, and prints the number of variants.
-(DISTNORM_KEEP_PTX=1 makes kernels.compat compile with --keep-ptx.)
+(DISTNORM_KEEP_PTX=1 makes kernels.compat compile with --keep-ptx, which also leaves .ptx files in the
+working directory: run two of these from different directories, or the later reads the other's.)
 """
 import hashlib
 import json
@@ -29,6 +30,10 @@ QUANTS = {
 }
 FUSED_SHAPES = (("bfloat16", 4096, True, False, 1), ("float16", 1536, False, True, 1),
                 ("bfloat16", 32768, True, False, 2), ("bfloat16", 8192, True, False, 8))
+# (quant, H, cluster, pdl, split, slots): split rows (NOTE [split rows]), PDL, rank slots (NOTE [slots])
+FUSED_LAUNCH_FORMS = (("nvfp4s", 4096, 1, True, 4, 1), ("pg128", 32768, 4, True, 4, 1),
+                      ("mxfp8s", 16384, 2, True, 2, 1), ("fp8", 8192, 1, False, 2, 1),
+                      ("pt", 4096, 1, True, 1, 2))
 # (algo, world, dtype, H, quant, residual, gemma, write_y, write_allreduce[, pdl, rows_per_cta])
 ALLREDUCE = [
     ("oneshot", 2, "bfloat16", 4096, "fp8", True, False, False, True),
@@ -52,29 +57,41 @@ ALLREDUCE = [
 ]
 
 
-def main(out: str) -> None:
-    os.makedirs(out, exist_ok=True)
-    hashes = {}
-
-    def record(name, compiled):
-        ptx = compiled.__ptx__
-        with open(os.path.join(out, name + ".ptx"), "w") as f:
-            f.write(ptx)
-        hashes[name] = hashlib.sha256(ptx.encode()).hexdigest()[:16]
-
+def kernel_variants() -> list:
+    """(name, compile thunk) of every kernel variant above: the single-GPU kernel for each format
+    and shape, the all-reduce list, the barrier test kernels. Also what tests/oldest_dsl_compile.py
+    compiles with the oldest supported CuTe DSL."""
+    variants = []
     for qname in ("none", "fp8", "pt", "pg128", "pg64c", "nvfp4s", "nvfp4l", "mxfp8s", "mxfp4l"):
         for dtype, H, res, gemma, cluster in FUSED_SHAPES:
-            record(f"fused_{qname}_{dtype}_{H}_{int(res)}{int(gemma)}_{cluster}",
-                   compiled_fused_norm(dtype, H, QUANTS[qname], res, gemma, qname == "none", cluster))
+            variants.append((f"fused_{qname}_{dtype}_{H}_{int(res)}{int(gemma)}_{cluster}",
+                             lambda q=QUANTS[qname], a=(dtype, H, res, gemma, qname == "none", cluster):
+                             compiled_fused_norm(a[0], a[1], q, a[2], a[3], a[4], a[5])))
+    for qname, H, cluster, pdl, split, slots in FUSED_LAUNCH_FORMS:
+        variants.append((f"fused_{qname}_{H}_c{cluster}_pdl{int(pdl)}_split{split}_slots{slots}",
+                         lambda q=QUANTS[qname], a=(H, cluster, pdl, split, slots):
+                         compiled_fused_norm("bfloat16", a[0], q, True, False, False, *a[1:])))
     for v in ALLREDUCE:
         args = list(v)
         args[4] = QUANTS[v[4]]
-        record("ar_" + "_".join(str(a) for a in (*v[:4], QUANTS[v[4]].kind, *v[5:])),
-               compiled_allreduce(*args))
+        variants.append(("ar_" + "_".join(str(a) for a in (*v[:4], QUANTS[v[4]].kind, *v[5:])),
+                         lambda a=tuple(args): compiled_allreduce(*a)))
     for world in (2, 4, 8):
         for barrier_only in (False, True):
-            record(f"barrier_{world}_{barrier_only}", compiled_barrier_rounds(world, barrier_only))
-    record("smoke", compiled_primitives_smoke())
+            variants.append((f"barrier_{world}_{barrier_only}",
+                             lambda w=world, b=barrier_only: compiled_barrier_rounds(w, b)))
+    variants.append(("smoke", compiled_primitives_smoke))
+    return variants
+
+
+def main(out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    hashes = {}
+    for name, compile_variant in kernel_variants():
+        ptx = compile_variant().__ptx__
+        with open(os.path.join(out, name + ".ptx"), "w") as f:
+            f.write(ptx)
+        hashes[name] = hashlib.sha256(ptx.encode()).hexdigest()[:16]
     with open(os.path.join(out, "hashes.json"), "w") as f:
         json.dump(hashes, f, indent=1, sort_keys=True)
     print(len(hashes))

@@ -106,10 +106,14 @@ class FusedAddRMSNormQuant:
             cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        bufs = self.core.allocate_smem(smem)
         cta_rank = Int32(0)
         if const_expr(t.cluster_n > 1):
             cta_rank = cute.arch.block_idx_in_cluster()
-            cute.arch.cluster_arrive_relaxed()  # peers' smem must exist before our DSMEM stores
+            self.core.arm_cluster_exchange(bufs, tidx)
+            # peers' smem and armed mbarriers must exist before our DSMEM stores
+            cute.arch.cluster_arrive_relaxed()
         row_in_cta = tidx // t.threads_per_row
         lane = cta_rank * t.threads_per_row + tidx % t.threads_per_row  # among the row's threads
         group = bidx // t.cluster_n  # CTA (cluster) index: row block * split + part
@@ -118,8 +122,6 @@ class FusedAddRMSNormQuant:
         if const_expr(self.split > 1):
             part = group % self.split
         m = self._row_count(mX)
-        smem = cutlass.utils.SmemAllocator()
-        bufs = self.core.allocate_smem(smem)
         if const_expr(t.cluster_n > 1):
             cute.arch.cluster_wait()
         if const_expr(self.q.swizzled):

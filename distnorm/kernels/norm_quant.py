@@ -70,8 +70,9 @@ class NormQuantCore:
 
     # ---- shared memory -------------------------------------------------------------------------
     def allocate_smem(self, smem):
-        """Per-row partials: [rows_per_cta, warps_per_row] and (cluster) [rows_per_cta, row_warps],
-        two phases."""
+        """Per-row partials: [rows_per_cta, warps_per_row] and (cluster) [rows_per_cta, row_warps]
+        with the mbarrier that counts the cluster's partials in (NOTE [cluster exchange]), two
+        phases."""
         t = self.t
         bufs = []
         for _ in range(2):  # phase 0: sum of squares, phase 1: per-token amax
@@ -82,8 +83,33 @@ class NormQuantCore:
                 Float32, cute.make_layout((t.rows_per_cta, t.row_warps if t.cluster_n > 1 else 1)),
                 byte_alignment=16
             )
-            bufs.append((warp_buf, cta_buf))
+            mbar = None
+            if t.cluster_n > 1:
+                mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), byte_alignment=8)
+            bufs.append((warp_buf, cta_buf, mbar))
         return bufs
+
+    # NOTE [cluster exchange]
+    # A row spread over a cluster sums its warps' partials in every CTA (NOTE [batch invariance]):
+    # each warp stores its partial into every CTA's shared memory. With a plain store and the
+    # cluster barrier, the barrier's release made every thread wait (MEMBAR.ALL.GPU in the SASS)
+    # until its earlier global stores -- residual_out, y -- were acknowledged, on the critical
+    # path of every decode call at H >= 16384 (ncu at M = 1: the most sampled stall). The partials
+    # now travel by st.async, which counts its bytes on an mbarrier of the receiving CTA: a CTA
+    # waits on its own mbarrier until all row_warps partials of each of its rows have landed, and
+    # no fence orders the global stores. Each phase's mbarrier is armed once, at the kernel's
+    # start (before the cluster's start-up barrier, which publishes it), so a kernel uses each
+    # phase once (parity 0): the cluster kernels handle one row group per CTA.
+    @cute.jit
+    def arm_cluster_exchange(self, bufs, tidx: Int32):
+        """Thread 0 arms both phases' mbarriers (NOTE [cluster exchange]); call before the
+        cluster's start-up arrive."""
+        t = self.t
+        if tidx == 0:
+            for phase in cutlass.range_constexpr(2):
+                ptx.mbarrier_init_expect_tx(ptx.smem_ptr_u32(bufs[phase][2].iterator),
+                                            Int32(t.rows_per_cta * t.row_warps * 4))
+            ptx.fence_mbarrier_init_cluster()
 
     def zeros(self, dtype):
         """A zero-filled register fragment holding this thread's vectors of one row."""
@@ -213,15 +239,17 @@ class NormQuantCore:
         order (all CTAs of a cluster add all of them: NOTE [batch invariance])."""
         t = self.t
         op = ptx.fmax_nan if const_expr(is_max) else (lambda a, b: a + b)
-        warp_buf, cta_buf = bufs
+        warp_buf, cta_buf, mbar = bufs
         val = cute.arch.warp_reduction(val, op, threads_in_group=min(32, t.threads_per_row))
-        if const_expr(t.cluster_n > 1):
+        if const_expr(t.cluster_n > 1):  # NOTE [cluster exchange]
+            mbar_addr = ptx.smem_ptr_u32(mbar.iterator)
             if lane % 32 == 0:
                 addr = ptx.smem_ptr_u32((cta_buf.iterator + cta_buf.layout((row_in_cta, lane // 32))))
                 for c in cutlass.range_constexpr(t.cluster_n):
-                    ptx.st_shared_cluster_f32(addr, Int32(c), val)
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
+                    ptx.st_async_cluster_f32(addr, mbar_addr, Int32(c), val)
+            landed = ptx.mbarrier_try_wait(mbar_addr, Int32(0))
+            while landed == Int32(0):
+                landed = ptx.mbarrier_try_wait(mbar_addr, Int32(0))
             val = cta_buf[row_in_cta, 0]
             for w in cutlass.range_constexpr(1, t.row_warps):
                 val = op(val, cta_buf[row_in_cta, w])

@@ -147,12 +147,44 @@ def smem_ptr_u32(ptr, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def st_shared_cluster_f32(local_smem_addr, cta_rank, value, *, loc=None, ip=None) -> None:
-    """Store `value` at the same smem offset in CTA `cta_rank` of this cluster (DSMEM)."""
+def mbarrier_init_expect_tx(mbar_addr, tx_bytes, *, loc=None, ip=None) -> None:
+    """Initialize the shared-memory mbarrier at `mbar_addr` (32-bit shared address) for one
+    arrival and make that arrival at once, expecting `tx_bytes` of st.async data: its phase 0 then
+    completes when the bytes have landed (NOTE [cluster exchange] in norm_quant.py)."""
+    inline_asm(None, [ir_i32(mbar_addr, loc, ip), ir_i32(tx_bytes, loc, ip)],
+               "{ .reg .b64 st; mbarrier.init.shared::cta.b64 [$0], 1; "
+               "mbarrier.arrive.expect_tx.shared::cta.b64 st, [$0], $1; }",
+               "r,r", side_effects=True)
+
+
+@dsl_user_op
+def fence_mbarrier_init_cluster(*, loc=None, ip=None) -> None:
+    """Make this thread's mbarrier initializations visible to the cluster (before its arrive)."""
+    inline_asm(None, [], "fence.mbarrier_init.release.cluster;", "", side_effects=True)
+
+
+@dsl_user_op
+def st_async_cluster_f32(local_smem_addr, local_mbar_addr, cta_rank, value, *, loc=None,
+                         ip=None) -> None:
+    """Store `value` at the same smem offset in CTA `cta_rank` of this cluster and count its 4
+    bytes on that CTA's mbarrier at the same offset as ours (st.async: no fence, so no wait for
+    this thread's earlier global stores)."""
     inline_asm(
         None,
-        [ir_i32(local_smem_addr, loc, ip), ir_i32(cta_rank, loc, ip), ir_f32(value, loc, ip)],
-        "{ .reg .b32 r; mapa.shared::cluster.u32 r, $0, $1; st.shared::cluster.f32 [r], $2; }",
-        "r,r,f",
+        [ir_i32(local_smem_addr, loc, ip), ir_i32(local_mbar_addr, loc, ip),
+         ir_i32(cta_rank, loc, ip), ir_f32(value, loc, ip)],
+        "{ .reg .b32 a, b, v; mapa.shared::cluster.u32 a, $0, $2; mapa.shared::cluster.u32 b, $1, $2; "
+        "mov.b32 v, $3; st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [a], v, [b]; }",
+        "r,r,r,f",
         side_effects=True,
     )
+
+
+@dsl_user_op
+def mbarrier_try_wait(mbar_addr, parity, *, loc=None, ip=None) -> Int32:
+    """1 once the phase of parity `parity` of the mbarrier at `mbar_addr` has completed, else 0
+    (after a bounded hardware wait)."""
+    return Int32(inline_asm(
+        T.i32(), [ir_i32(mbar_addr, loc, ip), ir_i32(parity, loc, ip)],
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; selp.u32 $0, 1, 0, p; }",
+        "=r,r,r", side_effects=True))

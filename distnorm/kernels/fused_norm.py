@@ -122,12 +122,12 @@ class FusedAddRMSNormQuant:
         if const_expr(self.split > 1):
             part = group % self.split
         m = self._row_count(mX)
-        if const_expr(t.cluster_n > 1):
-            cute.arch.cluster_wait()
         if const_expr(self.q.swizzled):
             # NOTE [padding CTAs]: every CTA of a cluster agrees on the branch
             row_groups = (m + t.rows_per_cta - 1) // t.rows_per_cta * self.split
             if group >= row_groups:
+                if const_expr(t.cluster_n > 1):
+                    cute.arch.cluster_wait()  # its arrive is matched; it exchanges nothing
                 pad_cta = bidx - row_groups * t.cluster_n
                 per_thread = self._pad_words_per_thread()
                 self.core.store_padding_scales(mS, m, pad_cta * per_thread * t.threads, tidx,
@@ -153,6 +153,10 @@ class FusedAddRMSNormQuant:
             self._fold_row(mX, mR, mRout, row, row_valid, lane, part, rX, rR, rH)
         else:
             self._add_row(mX, mR, mRout, row, row_valid, lane, part, rX, rR, rH)
+        if const_expr(self.t.cluster_n > 1):
+            # the start-up barrier (peers' mbarriers armed) completes while the row loads are in
+            # flight; it must precede the first DSMEM store (NOTE [cluster exchange])
+            cute.arch.cluster_wait()
         self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW, mY, mQ, mS,
                            static_inv, global_scale, bufs, None, part)
 

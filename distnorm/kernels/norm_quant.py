@@ -423,7 +423,7 @@ class NormQuantCore(BlockScales):
                 stored = Float32(0.0)
                 inv = Float32(0.0)
                 if self._mine(j0, part):  # uniform over the CTA: the shuffles stay matched
-                    # NOTE [one scale per lane]
+                    # NOTE [one scale per lane] in block_scales.py
                     amax = self._block_amax(rY, j0, group, lanes, lane)
                     stored, inv = self._block_scale(amax, global_scale, rcp_gs)
                     for k in cutlass.range_constexpr(group):

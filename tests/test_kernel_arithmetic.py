@@ -11,7 +11,9 @@ check the kernels themselves):
 - the packed 16-bit residual add (NormQuantCore.add_packed: one correct rounding of x + r) against
   the reference's float32 add then rounding;
 - the swizzled-scale offset (formats.swizzled_offset, the very function the kernels call) against
-  formats.to_swizzled."""
+  formats.to_swizzled;
+- the lanes' exchange of block amaxes and multipliers (BlockScales._block_amax / _lane_value, the
+  kernels' own code) on an emulated warp, against the block amax of each vector."""
 import pytest
 import torch
 
@@ -180,3 +182,43 @@ def test_packed_add_is_the_reference_add(dtype):
     one_rounding = _correctly_rounded(X.double() + R.double(), dtype)
     same = (ref.view(torch.int16) == one_rounding.view(torch.int16)) | (torch.isnan(ref) & torch.isnan(one_rounding))
     assert bool(same.all()), f"{int((~same).sum())} pairs differ"
+
+
+@pytest.mark.parametrize("lanes", [2, 4, 8, 16])
+def test_block_amax_lane_exchange(monkeypatch, lanes):
+    """BlockScales._block_amax / _lane_value (NOTE [one scale per lane]) run on an emulated warp:
+    each op on a [32] array, one value per lane, shuffles as index gathers. Every lane must end
+    with the amax of its vector's whole block (NaN kept), and read every vector's value of its
+    group from the lane that computed it -- for every group size, not only the one in use."""
+    import numpy as np
+
+    from distnorm.formats import VEC
+    from distnorm.kernels import block_scales, ptx
+
+    lane = np.arange(32)
+    monkeypatch.setattr(block_scales, "Float32", np.float32)
+    monkeypatch.setattr(ptx, "fabs", np.abs)
+    monkeypatch.setattr(ptx, "fmax_nan", np.maximum)  # NaN-propagating, as max.NaN
+    monkeypatch.setattr(ptx, "select_f32", lambda pick, a, b: np.where(pick != 0, a, b))
+    monkeypatch.setattr(block_scales.cute.arch, "shuffle_sync_bfly",
+                        lambda v, offset, mask, mask_and_clamp: v[lane ^ offset])
+    monkeypatch.setattr(block_scales.cute.arch, "shuffle_sync",
+                        lambda v, offset, mask, mask_and_clamp: v[offset & 31])
+    gen = np.random.default_rng(lanes)
+    for nv in (1, 2, 3, 4, 8):
+        rY = gen.standard_normal((nv * VEC, 32)).astype(np.float32)
+        rY[gen.integers(0, nv * VEC), gen.integers(0, 32)] = np.nan
+        # block amax of vector j for every lane: max over the lane's block of |y| of that vector
+        own = np.abs(rY.reshape(nv, VEC, 32)).max(axis=1)  # [nv, 32]
+        block = own.reshape(nv, 32 // lanes, lanes).max(axis=2).repeat(lanes, axis=1)  # [nv, 32]
+        group = 1
+        while group <= min(lanes, nv):
+            if nv % group == 0:
+                for j0 in range(0, nv, group):
+                    amax = block_scales.BlockScales._block_amax(None, rY, j0, group, lanes, lane)
+                    want = block[j0 + lane % group, lane]
+                    assert np.array_equal(amax, want, equal_nan=True), (nv, group, j0)
+                    for k in range(group):
+                        got = block_scales.BlockScales._lane_value(None, amax, k, group, lane)
+                        assert np.array_equal(got, block[j0 + k], equal_nan=True), (nv, group, k)
+            group *= 2

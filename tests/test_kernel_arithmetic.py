@@ -6,7 +6,7 @@ check the kernels themselves):
   the clamp puts every input, when it was written: no mismatch); and whole FP4 words as _store_q
   packs them (biases removed once per word, signs by ptx.nibble_signs' byte permutes) against
   pack_fp4(e2m1_codes(v));
-- the MX block code from amax's bits (NormQuantCore._ue8m0_of_quotient) against
+- the MX block code from amax's bits (BlockScales._ue8m0_of_quotient) against
   ue8m0_code(amax / elem_max);
 - the packed 16-bit residual add (NormQuantCore.add_packed: one correct rounding of x + r) against
   the reference's float32 add then rounding;
@@ -93,7 +93,7 @@ def test_kernel_fp4_words_match_reference_packing():
 
 
 def kernel_ue8m0_of_quotient(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
-    """What NormQuantCore._ue8m0_of_quotient computes (int64, so the add does not wrap)."""
+    """What BlockScales._ue8m0_of_quotient computes (int64, so the add does not wrap)."""
     e_bits = int(torch.tensor(elem_max, dtype=torch.float32).view(torch.int32))
     b = amax.view(torch.int32).to(torch.int64)
     code = ((b + (0x7FFFFF - (e_bits & 0x7FFFFF))) >> 23) - ((e_bits >> 23) - 127)

@@ -161,7 +161,8 @@ def apply_tuning(ws, tune: dict) -> None:
     if "rpcts" in tune:
         rpc["twoshot"] = int(tune["rpcts"])
     state_of(ws).tuning = Tuning(pdl=bool(int(tune.get("pdl", _DEFAULT_TUNING.pdl))),
-                                 rows_per_cta=rpc, timeout_s=_DEFAULT_TUNING.timeout_s)
+                                 rows_per_cta=rpc, timeout_s=_DEFAULT_TUNING.timeout_s,
+                                 twoshot_form=tune.get("form", _DEFAULT_TUNING.twoshot_form))
 
 
 def outputs_correct(name, x, res, ro, xc) -> bool:

@@ -34,7 +34,8 @@ FUSED_SHAPES = (("bfloat16", 4096, True, False, 1), ("float16", 1536, False, Tru
 FUSED_LAUNCH_FORMS = (("nvfp4s", 4096, 1, True, 4, 1), ("pg128", 32768, 4, True, 4, 1),
                       ("mxfp8s", 16384, 2, True, 2, 1), ("fp8", 8192, 1, False, 2, 1),
                       ("pt", 4096, 1, True, 1, 2))
-# (algo, world, dtype, H, quant, residual, gemma, write_y, write_allreduce[, pdl, rows_per_cta])
+# (algo, world, dtype, H, quant, residual, gemma, write_y, write_allreduce[, pdl, rows_per_cta,
+#  twoshot_form])
 ALLREDUCE = [
     ("oneshot", 2, "bfloat16", 4096, "fp8", True, False, False, True),
     ("oneshot", 4, "bfloat16", 7168, "nvfp4s", True, False, True, False),
@@ -52,6 +53,9 @@ ALLREDUCE = [
     ("twoshot", 4, "float16", 8192, "fp8", True, False, True, True, True, 0),
     ("lamport", 2, "bfloat16", 4096, "pg128", True, False, True, False, True, 1),
     ("twoshot", 2, "bfloat16", 4096, "fp8", True, False, False, False, True, 0),
+    # NOTE [two-shot forms]: loads instead of stores (both outputs gathered; block scales)
+    ("twoshot", 4, "bfloat16", 4096, "pt", True, False, True, True, True, 0, "pull"),
+    ("twoshot", 8, "bfloat16", 8192, "nvfp4s", True, False, False, False, True, 0, "pull-gather"),
     ("reducescatter", 2, "bfloat16", 4096, "pt", True, False, False, False, True, 0),
     ("reducescatter", 4, "bfloat16", 7168, "nvfp4s", True, False, True, False, True, 0),
 ]

@@ -51,3 +51,35 @@ def test_region_layout_and_timeout(monkeypatch):
     monkeypatch.setenv("DISTNORM_BARRIER_TIMEOUT_S", "soon")
     with pytest.raises(ValueError, match="DISTNORM_BARRIER_TIMEOUT_S"):
         Tuning.from_env()
+
+
+def test_twoshot_form_tuning(monkeypatch):
+    """The two-shot form is a Tuning knob (NOTE [two-shot forms]): checked, read from the
+    environment, part of the two-shot kernel's key only, and a new Tuning on a workspace's state
+    drops the calls planned (and the kernels picked) under the old one."""
+    import dataclasses
+
+    import torch
+
+    from distnorm.collectives.dispatch import allreduce_kernel_key
+    from distnorm.collectives.plan import TWOSHOT_FORMS, Tuning
+    from distnorm.collectives.state import AllReduceState
+
+    monkeypatch.delenv("DISTNORM_TWOSHOT_FORM", raising=False)
+    assert Tuning.from_env().twoshot_form == "push" == TWOSHOT_FORMS[0]
+    monkeypatch.setenv("DISTNORM_TWOSHOT_FORM", "pull")
+    assert Tuning.from_env().twoshot_form == "pull"
+    monkeypatch.setenv("DISTNORM_TWOSHOT_FORM", "sideways")
+    with pytest.raises(ValueError, match="twoshot_form must be one of"):
+        Tuning.from_env()
+    pull = Tuning(twoshot_form="pull-gather")
+    key = allreduce_kernel_key("twoshot", 4, torch.bfloat16, 4096, None, True, False, True, True, pull)
+    assert key[-1] == "pull-gather"
+    for algo in ("oneshot", "lamport", "reducescatter"):  # their kernels have one form
+        assert allreduce_kernel_key(algo, 4, torch.bfloat16, 4096, None, True, False, True, True,
+                                    pull)[-1] == "push"
+    state = AllReduceState(Tuning())
+    state._calls["planned"] = object()
+    state._grid_caps["cap"] = 1
+    state.tuning = dataclasses.replace(state.tuning, twoshot_form="pull")
+    assert state.tuning.twoshot_form == "pull" and not state._calls and not state._grid_caps

@@ -40,6 +40,9 @@ def _scale_rows(spec: Optional[QuantSpec], scales: Optional[Tensor], a: int, b: 
     return scales[a:b]  # column-major per-group scales keep their column stride
 
 
+ROWS_PER_CTA_ARG = 10  # where allreduce_kernel_key puts rows_per_cta
+
+
 def allreduce_kernel_key(algo: str, world: int, dtype: torch.dtype, H: int,
                          spec: Optional[QuantSpec], has_residual: bool, gemma: bool, write_y: bool,
                          write_allreduce: bool, tuning: Optional[Tuning] = None) -> tuple:
@@ -47,7 +50,8 @@ def allreduce_kernel_key(algo: str, world: int, dtype: torch.dtype, H: int,
     algorithm, after plan_launch): what distnorm.kernels.precompile compiles ahead of the calls."""
     tuning = Tuning.from_env() if tuning is None else tuning
     return (algo, world, DTYPE_NAMES[dtype], H, kernel_spec(spec), has_residual, gemma, write_y,
-            write_allreduce, tuning.pdl, tuning.rows_per_cta.get(algo, 0))
+            write_allreduce, tuning.pdl, tuning.rows_per_cta.get(algo, 0),
+            tuning.twoshot_form if algo == "twoshot" else "push")
 
 
 class PlannedCall:
@@ -69,7 +73,7 @@ class PlannedCall:
         key = allreduce_kernel_key(self.algo, ws.world_size, dtype, H, kspec, has_residual, gemma,
                                    write_y, write_allreduce, state.tuning)
         self.kernel = compiled_allreduce(*key)
-        self.ctas = state.grid_cap(ws.device, H, kspec, key[-1])
+        self.ctas = state.grid_cap(ws.device, H, kspec, key[ROWS_PER_CTA_ARG])
         self.scalar = format_scalar(spec)  # the one scalar argument the format takes
 
 

@@ -14,7 +14,7 @@ from typing import Callable, Mapping, Optional
 from distnorm.collectives.layout import (LAMPORT_AREAS, REGION_LAMPORT, REGION_ONESHOT,
                                          REGION_REDUCESCATTER, REGION_TWOSHOT, lamport_split)
 
-__all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "Tuning", "choose_algo", "lamport_capacity",
+__all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "TWOSHOT_FORMS", "Tuning", "choose_algo", "lamport_capacity",
            "max_chunk_rows", "plan_launch", "LAMPORT_CROSSOVER_BYTES", "LAMPORT_CROSSOVER_BYTES_PLAIN",
            "ONESHOT_CROSSOVER_BYTES"]
 
@@ -97,12 +97,20 @@ def _default_rows_per_cta() -> dict:
     return {"lamport": 1, "oneshot": 1, "twoshot": 0}
 
 
+# Who moves the rows of a two-shot call over NVLink (NOTE [two-shot forms] in kernels/allreduce.py):
+# "push" (remote stores in both exchanges), "pull-gather" (stores, then loads), "pull" (loads in
+# both, after a local copy of x). "push" measured best at world 2 (it is what the tables above
+# measured); worlds 4 and 8 are to be measured (--tuning in benchmarks/bench_allreduce_fusion.py).
+TWOSHOT_FORMS = ("push", "pull-gather", "pull")
+
+
 @dataclass(frozen=True)
 class Tuning:
     """Launch settings that do not change results (benchmarks A/B them).
 
     pdl: programmatic dependent launch (NOTE [programmatic dependent launch] in kernels/allreduce.py).
     rows_per_cta: {algo: rows per CTA}, 0 = choose_tiling's.
+    twoshot_form: one of TWOSHOT_FORMS (the two-shot kernel's traffic; same bits).
     timeout_s: how long a CTA waits for a peer before it records a timeout and gives up.
     host_timeout_s: how long a host-side wait for the group (the first lamport call's preparation,
       reset) lasts before it raises: long, because ranks reach their first call at different times
@@ -113,8 +121,11 @@ class Tuning:
     rows_per_cta: Mapping[str, int] = field(default_factory=_default_rows_per_cta)
     timeout_s: float = 10.0
     host_timeout_s: float = 120.0
+    twoshot_form: str = "push"
 
     def __post_init__(self) -> None:
+        if self.twoshot_form not in TWOSHOT_FORMS:
+            raise ValueError(f"twoshot_form must be one of {TWOSHOT_FORMS}, got {self.twoshot_form!r}")
         for name in ("timeout_s", "host_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 s, got {getattr(self, name)!r}")
@@ -126,10 +137,12 @@ class Tuning:
     @classmethod
     def from_env(cls) -> "Tuning":
         """The defaults, overridden by DISTNORM_PDL=0 (no programmatic dependent launch),
-        DISTNORM_BARRIER_TIMEOUT_S and DISTNORM_HOST_TIMEOUT_S (seconds)."""
+        DISTNORM_BARRIER_TIMEOUT_S and DISTNORM_HOST_TIMEOUT_S (seconds) and DISTNORM_TWOSHOT_FORM
+        (one of TWOSHOT_FORMS)."""
         return cls(pdl=pdl_from_env(),
                    timeout_s=_seconds("DISTNORM_BARRIER_TIMEOUT_S", cls.timeout_s),
-                   host_timeout_s=_seconds("DISTNORM_HOST_TIMEOUT_S", cls.host_timeout_s))
+                   host_timeout_s=_seconds("DISTNORM_HOST_TIMEOUT_S", cls.host_timeout_s),
+                   twoshot_form=os.environ.get("DISTNORM_TWOSHOT_FORM", cls.twoshot_form))
 
 
 def pdl_from_env() -> bool:

@@ -33,6 +33,8 @@ class AllReduceState:
     """
 
     def __init__(self, tuning: Optional[Tuning] = None) -> None:
+        self._calls: dict = {}
+        self._grid_caps: dict = {}
         self.tuning = Tuning.from_env() if tuning is None else tuning
         self.lamport_ptrs: Optional[Tensor] = None
         self.fallback_logged = False
@@ -41,9 +43,19 @@ class AllReduceState:
         self.first_call_barriers = 0
         self.resets = 0
         self._signal_checked = False
-        self._grid_caps: dict = {}
         self._ones: dict = {}
-        self._calls: dict = {}
+
+    @property
+    def tuning(self) -> Tuning:
+        return self._tuning
+
+    @tuning.setter
+    def tuning(self, tuning: Tuning) -> None:
+        """New launch settings: the planned calls (their compiled kernels and grid caps) were made
+        for the old ones, so they go."""
+        self._tuning = tuning
+        self._calls.clear()
+        self._grid_caps.clear()
 
     def check_signal_pad(self, ws) -> None:
         """Once: the workspace's signal pad holds every region and the group fits the kernels."""

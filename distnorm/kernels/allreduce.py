@@ -23,6 +23,16 @@ One kernel class, three compile-time algorithms:
   instead of T(acc) keeps h = T(acc + float(res)) exact (one rounding of the float32 sum) and
   bitwise identical on all ranks. Final cta_barrier as in one-shot (NOTE [two-shot final barrier]).
   Buffer: scatter [N][S][H] T, then gather h [N*S][H] T, then (optional) gather acc [N*S][H] T.
+  NOTE [two-shot forms]: `twoshot_form` (plan.TWOSHOT_FORMS, a Tuning knob: same bits, other traffic)
+  chooses who moves the rows over NVLink. "push" is the above (remote stores in both exchanges).
+  "pull-gather": phase 2 writes T(h) (and T(acc)) of my slice into MY gather area only, and phase 3
+  loads the other slices' rows from their owners' gather areas (remote loads; nothing pushed).
+  "pull": in addition phase 1 only copies my x rows of the other slices into my own buffer (row
+  `row` of the scatter area, which has N*S rows: local HBM traffic), and phase 2 loads row
+  rank*S+i of every peer's copy (all N-1 remote loads in flight, summed in rank order as before).
+  Every dependency stays between same-index CTAs (the copy loop walks the push loop's rows), the
+  barriers stay three (the final one as in NOTE [two-shot final barrier]: a peer may still load my
+  gather area when my next call starts), and the float32 operations are the same, so the bits are.
 
 - "reducescatter" (the sequence-parallel op, collectives/seqpar.py): two-shot's phase 1 over
   slices of S = ceil(M / N) unpadded rows, then phase 2 for my slice only, writing shard-local
@@ -82,7 +92,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 # absolute imports: the 4.3.5 DSL preprocessor needs them
 from distnorm.collectives.layout import CALL_W_LAST, DEVICE_ERROR_WORD, region_word
-from distnorm.collectives.plan import ALGORITHMS
+from distnorm.collectives.plan import ALGORITHMS, TWOSHOT_FORMS
 from distnorm.collectives.signature import (SIGNATURE_MULTIPLIER, CallDescriptor,
                                             signature_constant)
 from distnorm.formats import VEC, QuantSpec
@@ -100,8 +110,9 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
 
     def __init__(self, algo: str, world: int, tiling: RowTiling, quant: QuantSpec,
                  has_residual: bool, gemma: bool, write_y: bool, write_allreduce: bool,
-                 pdl: bool = False, dtype: str = "bfloat16"):
+                 pdl: bool = False, dtype: str = "bfloat16", twoshot_form: str = "push"):
         assert algo in ALGORITHMS, algo
+        assert twoshot_form in TWOSHOT_FORMS, twoshot_form
         assert tiling.cluster_n == 1, "the all-reduce kernels use one CTA per row group"
         self.algo = algo
         self.world = world
@@ -110,6 +121,9 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
         self.has_residual = has_residual
         self.write_allreduce = write_allreduce
         self.pdl = pdl  # NOTE [programmatic dependent launch]
+        # NOTE [two-shot forms]
+        self.pull_scatter = algo == "twoshot" and twoshot_form == "pull"
+        self.pull_gather = algo == "twoshot" and twoshot_form in ("pull", "pull-gather")
         # two-shot gathers T(acc) separately only when it differs from the gathered h
         self.gather_acc = write_allreduce and has_residual
         # signal-pad region: one-shot's / two-shot's barrier, lamport's call state
@@ -173,12 +187,15 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
 
     @cute.jit
     def _sum_slots(self, rH, rT, base: Int64, slot_elems: Int64, row_elem: Int64, own: Int64,
-                   rank: Int32, lane: Int32):
+                   rank: Int32, lane: Int32, mBuf=None):
         """rH <- float32 sum over slots 0..N-1 (rank order) of the local buffer's row `row_elem`,
-        slot `rank` read from address `own` instead (this rank's own row: never sent to itself)."""
+        slot `rank` read from address `own` instead (this rank's own row: never sent to itself).
+        With mBuf (the "pull" two-shot), slot s is row `row_elem` of rank s's own buffer."""
         dtype = rT.element_type
         for s in cutlass.range_constexpr(self.world):
             src = base + (slot_elems * s + row_elem) * Int64(dtype.width // 8)
+            if const_expr(mBuf is not None):
+                src = mBuf[s] + row_elem * Int64(dtype.width // 8)
             if Int32(s) == rank:
                 src = own
             self.core.load_row(rT, self._row_view(src, Int64(0), dtype), lane)
@@ -334,19 +351,28 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
                      bidx: Int32, nblk: Int32, row_in_cta: Int32, lane: Int32, rT,
                      dtype: cutlass.Constexpr):
         """Reduce-scatter push: row i of slice s -> rank s, slot `rank`, row i (S = slice_rows
-        rows per slot, push_groups >= ceil(S / rows_per_cta) row groups); my own slice stays in x."""
+        rows per slot, push_groups >= ceil(S / rows_per_cta) row groups); my own slice stays in x.
+        The "pull" two-shot (NOTE [two-shot forms]) copies row s*S+i to row s*S+i of my own buffer
+        instead, for its owner to load."""
         t = self.t
         m = mX.shape[0]
         hidden = Int64(t.hidden)
         slot_elems = Int64(slice_rows) * hidden
+        mine = Int64(0)
+        if const_expr(self.pull_scatter):
+            mine = mBuf[rank]  # read once: the stores below may alias the table for all it knows
         for g in range(bidx, push_groups, nblk):
             i = g * t.rows_per_cta + row_in_cta
             for s in cutlass.range_constexpr(self.world):
                 row = s * slice_rows + i
                 if (i < slice_rows) & (row < m) & (Int32(s) != rank):
                     self.core.load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
-                    off = slot_elems * Int64(rank) + Int64(i) * hidden
-                    self.core.store_row(rT, self._row_view(mBuf[s], off, dtype), lane, dtype)
+                    if const_expr(self.pull_scatter):
+                        self.core.store_row(rT, self._row_view(mine, Int64(row) * hidden, dtype),
+                                            lane, dtype)
+                    else:
+                        off = slot_elems * Int64(rank) + Int64(i) * hidden
+                        self.core.store_row(rT, self._row_view(mBuf[s], off, dtype), lane, dtype)
 
     @cute.jit
     def _reducescatter(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
@@ -385,6 +411,15 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
         self._barrier(mSig, rank, bidx, timeout, mErr, sig)
 
     @cute.jit
+    def _gather_row(self, rH, rA, dst: Int64, gather_h: Int64, gather_a: Int64, row: Int32,
+                    lane: Int32, dtype: cutlass.Constexpr):
+        """Row `row` of T(h) (and of T(acc) when gathered) into the gather areas of buffer `dst`."""
+        off = Int64(row) * Int64(self.t.hidden)
+        self.core.store_row(rH, self._row_view(dst, gather_h + off, dtype), lane, dtype)
+        if const_expr(self.gather_acc):
+            self.core.store_row(rA, self._row_view(dst, gather_a + off, dtype), lane, dtype)
+
+    @cute.jit
     def _twoshot(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
                  rank: Int32, eps: Float32, timeout: Int64, rows: Int32, slice_rows: Int32,
                  groups: Int32):
@@ -418,21 +453,23 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
             row_valid = (i < slice_rows) & (row < m)
             rH.fill(0.0)
             if row_valid:
-                self._sum_slots(rH, rT, base, slot_elems, Int64(i) * hidden,
-                                self._row_addr(mX, row), rank, lane)
+                if const_expr(self.pull_scatter):
+                    self._sum_slots(rH, rT, base, slot_elems, Int64(row) * hidden,
+                                    self._row_addr(mX, row), rank, lane, mBuf)
+                else:
+                    self._sum_slots(rH, rT, base, slot_elems, Int64(i) * hidden,
+                                    self._row_addr(mX, row), rank, lane)
                 if const_expr(self.gather_acc):
                     rA.store(rH.load())
                 if const_expr(self.has_residual):
                     self.core.load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
                 self.core.round_sum(rH, rR, self.has_residual, dtype)
-                for s in cutlass.range_constexpr(self.world):
-                    if Int32(s) != rank:
-                        peer = mBuf[s]
-                        self.core.store_row(rH, self._row_view(peer, gather_h + Int64(row) * hidden,
-                                                           dtype), lane, dtype)
-                        if const_expr(self.gather_acc):
-                            self.core.store_row(rA, self._row_view(peer, gather_a + Int64(row) * hidden,
-                                                               dtype), lane, dtype)
+                if const_expr(self.pull_gather):  # my gather area, for the peers to load
+                    self._gather_row(rH, rA, base, gather_h, gather_a, row, lane, dtype)
+                else:
+                    for s in cutlass.range_constexpr(self.world):
+                        if Int32(s) != rank:
+                            self._gather_row(rH, rA, mBuf[s], gather_h, gather_a, row, lane, dtype)
                 if const_expr(self.has_residual):
                     self.core.store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype)
                 if const_expr(self.write_allreduce):
@@ -455,8 +492,11 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
                     row = s * slice_rows + i
                     row_valid = (i < slice_rows) & (row < m)
                     rH.fill(0.0)
+                    src = base
+                    if const_expr(self.pull_gather):
+                        src = mBuf[s]  # the slice's owner (NOTE [two-shot forms])
                     if row_valid:
-                        self.core.load_row(rT, self._row_view(base, gather_h + Int64(row) * hidden,
+                        self.core.load_row(rT, self._row_view(src, gather_h + Int64(row) * hidden,
                                                           dtype), lane)
                         rH.store(rT.load().to(Float32))
                         if const_expr(self.has_residual):
@@ -465,7 +505,7 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
                         if const_expr(self.write_allreduce):
                             if const_expr(self.gather_acc):
                                 self.core.load_row(rT, self._row_view(
-                                    base, gather_a + Int64(row) * hidden, dtype), lane)
+                                    src, gather_a + Int64(row) * hidden, dtype), lane)
                             self.core.store_row(rT, cute.zipped_divide(mAR[row, None], (VEC,)), lane,
                                             dtype)
                     self.core.epilogue(rH, row, row_valid, (i < slice_rows) & (row < rows), lane,

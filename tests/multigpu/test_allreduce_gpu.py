@@ -20,13 +20,14 @@ failure fails every rank instead of leaving the others stuck in a collective.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 
 import pytest
 import torch
 
+from allreduce_cases import (BUFFER_BYTES, QUANTS, algo_capacity_rows, checked_on_every_rank,
+                             group_bootstrap, make_inputs, poisoned_outs, quant_kwargs, quant_spec)
 from harness import (MULTIGPU_MARKS, Expectations, all_gather_tensors as _all_gather,
                      gathered_check as _gathered_check)
 from distnorm.launch import run_distributed
@@ -39,16 +40,6 @@ QUICK = os.environ.get("DISTNORM_QUICK") == "1"  # e.g. 4 or 8 ranks sharing one
 GRAPH_REPLAYS = 100 if QUICK else 1000
 BACK_TO_BACK_CALLS = 1000 if QUICK else 10_000
 TIMEOUT_S = 900 if FULL else 400
-MiB = 1 << 20
-BUFFER_BYTES = 32 * MiB
-
-QUANTS = {
-    "none": (None, {}),
-    "fp8": ("fp8", {}),
-    "fp8_per_token": ("fp8_per_token", {}),
-    "nvfp4": ("nvfp4", {"sf_layout": "swizzled"}),
-    "mxfp8": ("mxfp8", {"sf_layout": "swizzled"}),
-}
 ALGOS = ("oneshot", "twoshot", "lamport")
 if FULL:  # every format of the issue; the default grid keeps five of them
     QUANTS.update({"fp8_per_group": ("fp8_per_group", {}),
@@ -75,147 +66,20 @@ HIDDEN_OF = {algo: HIDDEN if FULL or QUICK else [HIDDEN[i % len(HIDDEN)]]
 
 
 # --- helpers (run on every rank) -----------------------------------------------------------
-def _boot():
-    from distnorm.comm import resolve_bootstrap
-    return resolve_bootstrap(None)
-
-
-
-def _inputs(M, H, rank, seed, dtype=torch.bfloat16, world=None):
-    """x (per rank), residual and weight (shared). With `world`, x also carries +B on rank 0 and
-    -B on the last rank (B ~ 2^18, shared): the running sum sits near B, where float32 rounds the
-    other ranks' terms, so a sum in any order but the ranks' shows in the bf16 residual (values of
-    like magnitude add exactly in float32 in any order, which hides the order)."""
-    g = torch.Generator(device="cuda").manual_seed(seed * 7919 + 1000003 * (rank + 1))
-    x = torch.randn(M, H, generator=g, device="cuda") * 2
-    if world is not None and world > 1 and rank in (0, world - 1):
-        g.manual_seed(seed * 7919 + 17)  # the same B on both ranks
-        big = torch.randn(M, H, generator=g, device="cuda") * 2.0 ** 18
-        x = x + big if rank == 0 else x - big
-    x = x.to(dtype)
-    g.manual_seed(seed * 7919)  # shared by all ranks
-    res = torch.randn(M, H, generator=g, device="cuda").to(dtype)
-    w = (torch.rand(H, generator=g, device="cuda") + 0.5).to(dtype)
-    return x, res, w
-
-
-def _kwargs(qname):
-    from distnorm import formats
-    quant, opts = QUANTS[qname]
-    kw = dict(quant=quant, **opts)
-    if quant == "fp8":
-        kw["scale"] = torch.tensor([0.05], device="cuda")
-    if quant == "nvfp4":
-        kw["global_scale"] = torch.tensor([448 * 6 / 12.0], device="cuda")
-    spec = formats.make_quant_spec(quant, **opts)
-    return kw, spec
-
-
-def _poisoned_outs(spec, M, H, dtype):
-    from distnorm import formats
-    from quant_check import poison_like
-    outs = {"residual_out": poison_like(torch.empty(M, H, dtype=dtype, device="cuda")),
-            "y_out": poison_like(torch.empty(M, H, dtype=dtype, device="cuda"))}
-    if spec is not None:
-        outs["q_out"] = poison_like(torch.empty(formats.q_shape(spec, M, H), dtype=formats.q_dtype(spec),
-                                                device="cuda"))
-        if formats.scales_geometry(spec, M, H) is not None:
-            outs["scales_out"] = poison_like(formats.empty_scales(spec, M, H, "cuda"))
-    return outs
-
-
-def _check(out, ref, spec, kw, M, H):
-    from quant_check import assert_quant_close, assert_y_close
-    assert torch.equal(out.residual.view(torch.int16), ref.residual.view(torch.int16)), \
-        f"residual not bitwise equal at {(out.residual.view(torch.int16) != ref.residual.view(torch.int16)).sum().item()} elements"
-    assert torch.equal(out.allreduce.view(torch.int16), ref.allreduce.view(torch.int16)), "allreduce_out differs"
-    assert_y_close(out.y, ref.y)
-    if spec is not None:
-        assert_quant_close(out.q, out.scales, ref, spec, M, H, scale=kw.get("scale"),
-                           global_scale=kw.get("global_scale"))
-
-
-def _digests(out, spec) -> list:
-    """SHA-256 of each output's bytes: compared across ranks after the checks (gathered as
-    objects, so a rank that failed its checks never meets the others in a tensor collective)."""
-    tensors = [out.residual, out.y, out.allreduce]
-    if spec is not None:
-        tensors.append(out.q)
-        if spec.kind != "fp8":
-            tensors.append(out.scales)
-    return [hashlib.sha256(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
-            for t in tensors]
-
-
-def _assert_same_across_ranks(boot, digests) -> None:
-    every = boot.all_gather_object(digests)
-    for r, d in enumerate(every):
-        differ = [i for i, (a, b) in enumerate(zip(d, every[0])) if a != b]
-        assert not differ, f"outputs {differ} of rank {r} differ from rank 0's"
-
-
-def _capacity_rows(algo, world, H, spec):
-    from distnorm.collectives.plan import max_chunk_rows
-    swz = spec is not None and spec.block_scaled and spec.sf_layout == "swizzled"
-    try:
-        return max_chunk_rows(algo, world, 1 << 30, H, 2, BUFFER_BYTES, swz, True)
-    except ValueError:
-        # lamport area < 128 rows with swizzled scales: the op runs one-shot for such M instead
-        assert algo == "lamport" and swz
-        return max_chunk_rows(algo, world, 1 << 30, H, 2, BUFFER_BYTES, False, True)
-
-
-def _one_case(ws, boot, algo, qname, M, H, seed, dtype=torch.bfloat16):
-    """One call checked here against the reference; returns the outputs' digests. Every collective
-    (the all-gather of x, the two ops) comes before the first check, so a failed check on one rank
-    never leaves the others in a collective. fp16 inputs carry no +-B terms (2^18 is past fp16's
-    range)."""
-    from distnorm.collectives import allreduce, allreduce_add_rmsnorm
-    from distnorm.reference import allreduce_add_rmsnorm_ref, allreduce_ref
-
-    kw, spec = _kwargs(qname)
-    x, res, w = _inputs(M, H, ws.rank, seed, dtype,
-                        world=ws.world_size if dtype == torch.bfloat16 else None)
-    xs = _all_gather(x)
-    ref = allreduce_add_rmsnorm_ref(xs, res, w, 1e-6, norm_out=True, allreduce_out=True, **kw)
-    outs = _poisoned_outs(spec, M, H, x.dtype)
-    out = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, algo=algo, norm_out=True,
-                                allreduce_out=True, **kw, **outs)
-    plain = allreduce(x, workspace=ws, algo=algo) if qname == "none" else None  # same kernels
-    torch.cuda.synchronize()
-    ws.raise_if_failed()
-    _check(out, ref, spec, kw, M, H)
-    if plain is not None:
-        assert torch.equal(plain.view(torch.int16), allreduce_ref(xs).view(torch.int16)), \
-            "allreduce() differs"
-    return _digests(out, spec)
-
-
-def _checked_on_every_rank(boot, ws, what: str, algo, qname, M, H, seed,
-                           dtype=torch.bfloat16) -> None:
-    """_one_case on every rank (failures gathered), then its outputs compared across ranks; an
-    AssertionError names the case as `what`."""
-    try:
-        digests = _gathered_check(boot, _one_case, ws, boot, algo, qname, M, H, seed, dtype)
-        _assert_same_across_ranks(boot, digests)
-    except AssertionError as e:
-        raise AssertionError(f"{what}: {e}") from None
-
-
 def _body_grid(algo: str) -> None:
     from distnorm.comm import Workspace
-    boot = _boot()
+    boot = group_bootstrap()
     with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
         assert ws.p2p_ok, f"no peer mappings: {ws.fallback_reason}"
         seed = 1
         for H in HIDDEN_OF[algo]:
             for qname in QUANTS:
-                _, spec = _kwargs(qname)
+                _, spec = quant_kwargs(qname)
                 for M in TOKENS:
                     if M == "cap+1":
-                        M = _capacity_rows(algo, ws.world_size, H, spec) + 1
+                        M = algo_capacity_rows(algo, ws.world_size, H, spec) + 1
                     seed += 1
-                    _checked_on_every_rank(boot, ws, f"{algo} {qname} M={M} H={H}", algo, qname,
+                    checked_on_every_rank(boot, ws, f"{algo} {qname} M={M} H={H}", algo, qname,
                                            M, H, seed)
         ws.barrier()
 
@@ -225,12 +89,12 @@ def _body_fp16() -> None:
     as packed words and widen both halves of each word (NormQuantCore.word_values), so a half
     taken from the wrong word or position shows here."""
     from distnorm.comm import Workspace
-    boot = _boot()
+    boot = group_bootstrap()
     with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
         for algo in ALGOS:
             for qname in ("none", "fp8_per_token", "nvfp4"):
                 for M in (1, 300):
-                    _checked_on_every_rank(boot, ws, f"fp16 {algo} {qname} M={M}", algo, qname,
+                    checked_on_every_rank(boot, ws, f"fp16 {algo} {qname} M={M}", algo, qname,
                                            M, 4096, 9000 + M, torch.float16)
         ws.barrier()
 
@@ -240,12 +104,12 @@ def _body_graph(algo: str, replays: int) -> None:
     from distnorm.comm import Workspace
     from distnorm.reference import allreduce_add_rmsnorm_ref
 
-    boot = _boot()
+    boot = group_bootstrap()
     M, H = 64, 4096
     with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
-        kw, spec = _kwargs("fp8_per_token")
-        x, res, w = _inputs(M, H, ws.rank, 99)
-        outs = _poisoned_outs(spec, M, H, x.dtype)
+        kw, spec = quant_kwargs("fp8_per_token")
+        x, res, w = make_inputs(M, H, ws.rank, 99)
+        outs = poisoned_outs(spec, M, H, x.dtype)
         out = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, algo=algo, norm_out=True,
                                     allreduce_out=False, **kw, **outs)  # compile outside capture
         torch.cuda.synchronize()
@@ -259,7 +123,7 @@ def _body_graph(algo: str, replays: int) -> None:
             from quant_check import assert_quant_close, assert_y_close
             expect = Expectations()  # every rank replays and all-gathers to the end
             for i in range(replays):
-                xi, _, _ = _inputs(M, H, ws.rank, 1000 + i)
+                xi, _, _ = make_inputs(M, H, ws.rank, 1000 + i)
                 x.copy_(xi)
                 g.replay()
                 if i % 97 == 0 or i == replays - 1:
@@ -282,12 +146,12 @@ def _body_back_to_back(calls: int) -> None:
     from distnorm.comm import Workspace
     from distnorm.reference import allreduce_add_rmsnorm_ref
 
-    boot = _boot()
+    boot = group_bootstrap()
     H = 4096
     sizes = [1, 7, 64, 300, 2048, 5]
     with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
-        kw, spec = _kwargs("fp8")
-        data = {M: _inputs(M, H, ws.rank, 500 + M) for M in sizes}
+        kw, spec = quant_kwargs("fp8")
+        data = {M: make_inputs(M, H, ws.rank, 500 + M) for M in sizes}
         refs = {M: allreduce_add_rmsnorm_ref(_all_gather(data[M][0]), data[M][1], data[M][2], 1e-6,
                                              **kw) for M in sizes}
         last = {}
@@ -314,7 +178,7 @@ def _body_lamport_chunks() -> None:
     from distnorm.collectives.plan import choose_algo, max_chunk_rows
     from distnorm.comm import Workspace
 
-    boot = _boot()
+    boot = group_bootstrap()
     H = 4096
     with Workspace(buffer_bytes=1 << 20) as ws:
         cap = max_chunk_rows("lamport", ws.world_size, 1 << 30, H, 2, ws.buffer_bytes, False, True)
@@ -322,7 +186,7 @@ def _body_lamport_chunks() -> None:
         for M, qname in ((cap, "fp8"), (cap + 1, "fp8"), (7 * cap + 3, "fp8_per_token"),
                          (5 * cap, "none"), (1, "none")):
             assert choose_algo("auto", ws.world_size, cap + 1, H, 2, ws.buffer_bytes) != "lamport"
-            _checked_on_every_rank(boot, ws, f"lamport chunks cap={cap} M={M} {qname}", "lamport",
+            checked_on_every_rank(boot, ws, f"lamport chunks cap={cap} M={M} {qname}", "lamport",
                                    qname, M, H, 7000 + M)
         ws.barrier()
 
@@ -335,10 +199,10 @@ def _body_lamport_sentinel() -> None:
     from distnorm.comm import Workspace
     from distnorm.reference import allreduce_add_rmsnorm_ref, allreduce_ref
 
-    boot = _boot()
+    boot = group_bootstrap()
     M, H = 8, 4096
     with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
-        x, res, w = _inputs(M, H, ws.rank, 4242)
+        x, res, w = make_inputs(M, H, ws.rank, 4242)
         xi = x.view(torch.int16)
         xi[0, :64] = -1                  # 0xFFFF: a NaN whose two-element words equal the sentinel
         if ws.rank == 0:
@@ -382,13 +246,13 @@ def _body_lamport_changing_hidden() -> None:
     from distnorm.collectives.plan import lamport_capacity as capacity_rows
     from distnorm.reference import allreduce_ref
 
-    boot = _boot()
+    boot = group_bootstrap()
     buffer_bytes = 8 << 20
     with Workspace(buffer_bytes=buffer_bytes) as ws:
         def check():
             for i, H in enumerate((2048, 8192, 2048, 4096, 8192, 2048, 8192)):
                 M = capacity_rows(ws.world_size, H, 2, buffer_bytes) - (i % 2)
-                x, _, _ = _inputs(M, H, ws.rank, 900 + i)
+                x, _, _ = make_inputs(M, H, ws.rank, 900 + i)
                 out = allreduce(x, workspace=ws, algo="lamport")
                 torch.cuda.synchronize()
                 ws.raise_if_failed()
@@ -409,11 +273,11 @@ def _body_dependent_chain() -> None:
     from distnorm.reference import allreduce_add_rmsnorm_ref
     from quant_check import poison_like
 
-    boot = _boot()
+    boot = group_bootstrap()
     H = 4096
     algos = ("lamport", "lamport", "oneshot", "twoshot", "lamport", "auto")
     with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
-        kw, spec = _kwargs("fp8")
+        kw, spec = quant_kwargs("fp8")
 
         def chain(x0, res0, w, outs):
             x, res = x0, res0
@@ -437,8 +301,8 @@ def _body_dependent_chain() -> None:
                 assert_quant_close(out.q, out.scales, ref, spec, x.shape[0], H, scale=kw["scale"])
 
         for M in (1, 3, 8, 16):
-            x0, res0, w = _inputs(M, H, ws.rank, 3100 + M)
-            outs = [_poisoned_outs(spec, M, H, x0.dtype) for _ in algos]
+            x0, res0, w = make_inputs(M, H, ws.rank, 3100 + M)
+            outs = [poisoned_outs(spec, M, H, x0.dtype) for _ in algos]
             results = chain(x0, res0, w, outs)
             torch.cuda.synchronize()
             _gathered_check(boot, check_chain, results, w, f"eager M={M}")
@@ -449,7 +313,7 @@ def _body_dependent_chain() -> None:
             with torch.cuda.graph(g):
                 results = chain(x0, res0, w, outs)
             for i in range(3):
-                xi, _, _ = _inputs(M, H, ws.rank, 3200 + 10 * M + i)
+                xi, _, _ = make_inputs(M, H, ws.rank, 3200 + 10 * M + i)
                 x0.copy_(xi)
                 g.replay()
                 torch.cuda.synchronize()
@@ -464,10 +328,10 @@ def _body_nd_inputs() -> None:
     from distnorm.collectives import allreduce, allreduce_add_rmsnorm
     from distnorm.comm import Workspace
 
-    boot = _boot()
+    boot = group_bootstrap()
     B, S, H = 2, 5, 4096
     with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
-        x, res, w = _inputs(B * S, H, ws.rank, 777)
+        x, res, w = make_inputs(B * S, H, ws.rank, 777)
         x3, res3 = x.view(B, S, H), res.view(B, S, H)
 
         def check():
@@ -505,7 +369,7 @@ def _body_eager_path() -> None:
     from bad_calls import BAD_CASES, bad_call
     from quant_check import poison_like
 
-    boot = _boot()
+    boot = group_bootstrap()
     with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
         def op(*args, **kw):
             return allreduce_add_rmsnorm(*args, workspace=ws, **kw)
@@ -530,7 +394,7 @@ def _body_eager_path() -> None:
                 call, message = bad_call(case, "cuda", op)
                 with pytest.raises((ValueError, TypeError), match=re.escape(message)):
                     call()
-            x, res, w = _inputs(5, 4096, ws.rank, 4242)
+            x, res, w = make_inputs(5, 4096, ws.rank, 4242)
             s = torch.tensor([0.05], device="cuda")
             gs = torch.tensor([200.0], device="cuda")
             for algo in ALGOS:
@@ -582,14 +446,14 @@ def _body_batch_invariance() -> None:
     from distnorm.comm import Workspace
     from invariance import BATCHES, assert_same_bytes, embed, row_bytes
 
-    boot = _boot()
+    boot = group_bootstrap()
     with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
         def check():
             for H in (7168, 16384):
-                x, res, w = _inputs(1, H, ws.rank, 4242 + H)
+                x, res, w = make_inputs(1, H, ws.rank, 4242 + H)
                 g = torch.Generator(device="cuda").manual_seed(ws.rank * 31 + H)
                 for qname in QUANTS:
-                    kw, spec = _kwargs(qname)
+                    kw, spec = quant_kwargs(qname)
                     first = None
                     for algo in ALGOS:
                         for M, pos in BATCHES:
@@ -629,10 +493,6 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
         return []
     bf16 = torch.bfloat16
 
-    def spec_of(qname):  # _kwargs's spec, without its CUDA tensors
-        quant, opts = QUANTS[qname]
-        return formats.make_quant_spec(quant, **opts)
-
     def fused(algo, H, spec):
         return ("allreduce", *allreduce_kernel_key(algo, world, bf16, H, spec, True, False, True,
                                                    True))
@@ -640,7 +500,7 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
         algo = params["algo"]
         keys = [("allreduce", *allreduce_kernel_key(algo, world, bf16, H, None, False, False,
                                                     False, True)) for H in HIDDEN_OF[algo]]
-        return keys + [fused(algo, H, spec_of(q)) for H in HIDDEN_OF[algo] for q in QUANTS]
+        return keys + [fused(algo, H, quant_spec(q)) for H in HIDDEN_OF[algo] for q in QUANTS]
     def launched(algo, M, H, spec, residual, write_y, write_ar, buffer_bytes=BUFFER_BYTES):
         """The kernel run_kernel launches for one call (plan_launch resolves auto and fallbacks)."""
         swizzled = spec is not None and spec.swizzled
@@ -653,12 +513,12 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
                 for algo in ALGOS for quant, _, ar in EAGER_CASES] + [
                 launched(algo, 5, 4096, None, False, False, True) for algo in ALGOS]
     if test == "test_cuda_graph_replays":
-        return [launched(params["algo"], 64, 4096, spec_of("fp8_per_token"), True, True, False)]
+        return [launched(params["algo"], 64, 4096, quant_spec("fp8_per_token"), True, True, False)]
     if test == "test_back_to_back_changing_m":
-        return [launched(algo, M, 4096, spec_of("fp8"), True, False, False)
+        return [launched(algo, M, 4096, quant_spec("fp8"), True, False, False)
                 for algo in ("oneshot", "lamport", "twoshot", "auto") for M in (1, 7, 64, 300, 2048, 5)]
     if test == "test_dependent_chain_pdl":
-        return [launched(algo, M, 4096, spec_of("fp8"), True, True, False)
+        return [launched(algo, M, 4096, quant_spec("fp8"), True, True, False)
                 for algo in ("lamport", "oneshot", "twoshot", "auto") for M in (1, 3, 8, 16)]
     if test == "test_lamport_changing_hidden":
         return [launched("lamport", 1, H, None, False, False, True, 8 << 20)
@@ -667,7 +527,7 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
         keys = []
         for H in (7168, 16384):
             for q in QUANTS:
-                spec = spec_of(q)
+                spec = quant_spec(q)
                 keys += [fused(algo, H, spec) for algo in ALGOS]
                 keys.append(("fused_norm", *fused_kernel_key(bf16, H, spec, False, False, True, 1)))
         return keys

@@ -58,13 +58,16 @@ def _call(ws, algo, M=128, H=4096, quant="fp8_per_token", seed=0):
 
 def _precompile(ws, algo: str, H: int = 4096, quant: str = "fp8_per_token") -> None:
     """Compile the kernel _call launches (no collective), so that timed calls exclude compiling."""
+    import torch
+
+    from distnorm.collectives.dispatch import allreduce_kernel_key
     from distnorm.collectives.state import state_of
     from distnorm.formats import make_quant_spec
     from distnorm.kernels.compile_allreduce import compiled_allreduce
 
-    tuning = state_of(ws).tuning
-    compiled_allreduce(algo, ws.world_size, "bfloat16", H, make_quant_spec(quant), True, False,
-                       False, False, tuning.pdl, tuning.rows_per_cta.get(algo, 0))
+    compiled_allreduce(*allreduce_kernel_key(algo, ws.world_size, torch.bfloat16, H,
+                                             make_quant_spec(quant), True, False, False, False,
+                                             state_of(ws).tuning))
 
 
 def _good_calls(ws, n: int) -> None:

@@ -46,7 +46,8 @@ def main():
     ap.add_argument("--cases", default="", help="regex: run only the cases whose name matches")
     ap.add_argument("--tuning", nargs="*", default=[],
                     help="extra distnorm variants NAME:pdl=0|1,rpc=N,rpcts=N (rows per CTA of lamport and "
-                         "one-shot / of two-shot), each run as dn_*@NAME beside the defaults")
+                         "one-shot / of two-shot),form=push|pull-gather|pull (two-shot),"
+                         "lform=poll-all|poll-unseen (lamport), each run as dn_*@NAME beside the defaults")
     args = ap.parse_args()
     variants = {"": {}}
     for spec in args.tuning:
@@ -162,7 +163,8 @@ def apply_tuning(ws, tune: dict) -> None:
         rpc["twoshot"] = int(tune["rpcts"])
     state_of(ws).tuning = Tuning(pdl=bool(int(tune.get("pdl", _DEFAULT_TUNING.pdl))),
                                  rows_per_cta=rpc, timeout_s=_DEFAULT_TUNING.timeout_s,
-                                 twoshot_form=tune.get("form", _DEFAULT_TUNING.twoshot_form))
+                                 twoshot_form=tune.get("form", _DEFAULT_TUNING.twoshot_form),
+                                 lamport_form=tune.get("lform", _DEFAULT_TUNING.lamport_form))
 
 
 def outputs_correct(name, x, res, ro, xc) -> bool:

@@ -35,7 +35,7 @@ FUSED_LAUNCH_FORMS = (("nvfp4s", 4096, 1, True, 4, 1), ("pg128", 32768, 4, True,
                       ("mxfp8s", 16384, 2, True, 2, 1), ("fp8", 8192, 1, False, 2, 1),
                       ("pt", 4096, 1, True, 1, 2))
 # (algo, world, dtype, H, quant, residual, gemma, write_y, write_allreduce[, pdl, rows_per_cta,
-#  twoshot_form])
+#  form])
 ALLREDUCE = [
     ("oneshot", 2, "bfloat16", 4096, "fp8", True, False, False, True),
     ("oneshot", 4, "bfloat16", 7168, "nvfp4s", True, False, True, False),
@@ -56,6 +56,8 @@ ALLREDUCE = [
     # NOTE [two-shot forms]: loads instead of stores (both outputs gathered; block scales)
     ("twoshot", 4, "bfloat16", 4096, "pt", True, False, True, True, True, 0, "pull"),
     ("twoshot", 8, "bfloat16", 8192, "nvfp4s", True, False, False, False, True, 0, "pull-gather"),
+    # NOTE [lamport polls]: only the vectors not yet arrived (ragged row: predicated vectors)
+    ("lamport", 4, "float16", 2000, "pt", True, True, True, True, True, 0, "poll-unseen"),
     ("reducescatter", 2, "bfloat16", 4096, "pt", True, False, False, False, True, 0),
     ("reducescatter", 4, "bfloat16", 7168, "nvfp4s", True, False, True, False, True, 0),
 ]

@@ -14,7 +14,7 @@ BODY = """
 from distnorm.kernels.compile_allreduce import compiled_allreduce
 from distnorm.formats import NO_QUANT, make_quant_spec as Q
 # (algo, world, dtype, H, quant, residual, gemma, write_y, write_allreduce[, pdl, rows_per_cta,
-#  twoshot_form])
+#  form])
 variants = [
     ("oneshot", 2, "bfloat16", 4096, Q("fp8"), True, False, False, True),
     ("oneshot", 4, "bfloat16", 7168, Q("nvfp4"), True, False, True, False),
@@ -31,9 +31,10 @@ variants = [
     ("lamport", 2, "bfloat16", 4096, Q("fp8"), True, False, False, False, True, 1),
     ("oneshot", 4, "bfloat16", 2048, Q("mxfp4"), True, False, False, False, True, 1),
     ("twoshot", 4, "float16", 8192, Q("fp8"), True, False, True, True, True, 0),
-    # the two-shot forms that load instead of store (NOTE [two-shot forms])
+    # forms (NOTE [two-shot forms], NOTE [lamport polls])
     ("twoshot", 4, "bfloat16", 4096, Q("fp8_per_token"), True, False, True, True, True, 0, "pull"),
     ("twoshot", 8, "bfloat16", 8192, Q("nvfp4"), True, False, False, False, True, 0, "pull-gather"),
+    ("lamport", 4, "float16", 2000, Q("fp8_per_token"), True, True, True, True, True, 0, "poll-unseen"),
     # the sequence-parallel reduce-scatter (shard-local outputs)
     ("reducescatter", 2, "bfloat16", 4096, Q("fp8_per_token"), True, False, False, False, True, 0),
     ("reducescatter", 4, "bfloat16", 7168, Q("nvfp4"), True, False, True, False, True, 0),
@@ -46,7 +47,7 @@ for v in variants:
 
 
 def test_allreduce_kernels_compile_sm90a():
-    assert compile_in_subprocess(BODY) == 19
+    assert compile_in_subprocess(BODY) == 20
 
 
 # --- buffer split and capacities (host arithmetic, no GPU) -----------------------------------------

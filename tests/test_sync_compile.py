@@ -53,31 +53,37 @@ def test_region_layout_and_timeout(monkeypatch):
         Tuning.from_env()
 
 
-def test_twoshot_form_tuning(monkeypatch):
-    """The two-shot form is a Tuning knob (NOTE [two-shot forms]): checked, read from the
-    environment, part of the two-shot kernel's key only, and a new Tuning on a workspace's state
-    drops the calls planned (and the kernels picked) under the old one."""
+def test_algorithm_form_tuning(monkeypatch):
+    """The two-shot and lamport forms are Tuning knobs (NOTE [two-shot forms], NOTE [lamport
+    polls]): checked, read from the environment, part of their algorithm's kernel key only, and a
+    new Tuning on a workspace's state drops the calls planned (and the kernels picked) under the
+    old one."""
     import dataclasses
 
     import torch
 
     from distnorm.collectives.dispatch import allreduce_kernel_key
-    from distnorm.collectives.plan import TWOSHOT_FORMS, Tuning
+    from distnorm.collectives.plan import LAMPORT_FORMS, TWOSHOT_FORMS, Tuning
     from distnorm.collectives.state import AllReduceState
 
     monkeypatch.delenv("DISTNORM_TWOSHOT_FORM", raising=False)
+    monkeypatch.delenv("DISTNORM_LAMPORT_FORM", raising=False)
     assert Tuning.from_env().twoshot_form == "push" == TWOSHOT_FORMS[0]
+    assert Tuning.from_env().lamport_form == "poll-all" == LAMPORT_FORMS[0]
+    monkeypatch.setenv("DISTNORM_LAMPORT_FORM", "poll-unseen")
+    assert Tuning.from_env().form("lamport") == "poll-unseen"
+    with pytest.raises(ValueError, match="lamport_form must be one of"):
+        Tuning(lamport_form="push")
     monkeypatch.setenv("DISTNORM_TWOSHOT_FORM", "pull")
     assert Tuning.from_env().twoshot_form == "pull"
     monkeypatch.setenv("DISTNORM_TWOSHOT_FORM", "sideways")
     with pytest.raises(ValueError, match="twoshot_form must be one of"):
         Tuning.from_env()
-    pull = Tuning(twoshot_form="pull-gather")
-    key = allreduce_kernel_key("twoshot", 4, torch.bfloat16, 4096, None, True, False, True, True, pull)
-    assert key[-1] == "pull-gather"
-    for algo in ("oneshot", "lamport", "reducescatter"):  # their kernels have one form
+    pull = Tuning(twoshot_form="pull-gather", lamport_form="poll-unseen")
+    for algo, form in (("twoshot", "pull-gather"), ("lamport", "poll-unseen"), ("oneshot", ""),
+                       ("reducescatter", "")):  # the last two have one form
         assert allreduce_kernel_key(algo, 4, torch.bfloat16, 4096, None, True, False, True, True,
-                                    pull)[-1] == "push"
+                                    pull)[-1] == form
     state = AllReduceState(Tuning())
     state._calls["planned"] = object()
     state._grid_caps["cap"] = 1

@@ -50,8 +50,7 @@ def allreduce_kernel_key(algo: str, world: int, dtype: torch.dtype, H: int,
     algorithm, after plan_launch): what distnorm.kernels.precompile compiles ahead of the calls."""
     tuning = Tuning.from_env() if tuning is None else tuning
     return (algo, world, DTYPE_NAMES[dtype], H, kernel_spec(spec), has_residual, gemma, write_y,
-            write_allreduce, tuning.pdl, tuning.rows_per_cta.get(algo, 0),
-            tuning.twoshot_form if algo == "twoshot" else "push")
+            write_allreduce, tuning.pdl, tuning.rows_per_cta.get(algo, 0), tuning.form(algo))
 
 
 class PlannedCall:

@@ -14,7 +14,8 @@ from typing import Callable, Mapping, Optional
 from distnorm.collectives.layout import (LAMPORT_AREAS, REGION_LAMPORT, REGION_ONESHOT,
                                          REGION_REDUCESCATTER, REGION_TWOSHOT, lamport_split)
 
-__all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "TWOSHOT_FORMS", "Tuning", "choose_algo", "lamport_capacity",
+__all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "ALGORITHM_FORMS", "LAMPORT_FORMS", "TWOSHOT_FORMS",
+           "Tuning", "choose_algo", "lamport_capacity",
            "max_chunk_rows", "plan_launch", "LAMPORT_CROSSOVER_BYTES", "LAMPORT_CROSSOVER_BYTES_PLAIN",
            "ONESHOT_CROSSOVER_BYTES"]
 
@@ -102,6 +103,12 @@ def _default_rows_per_cta() -> dict:
 # both, after a local copy of x). "push" measured best at world 2 (it is what the tables above
 # measured); worlds 4 and 8 are to be measured (--tuning in benchmarks/bench_allreduce_fusion.py).
 TWOSHOT_FORMS = ("push", "pull-gather", "pull")
+# How a lamport reader polls (NOTE [lamport polls] in kernels/lamport.py): "poll-all" re-reads every
+# slot each pass, "poll-unseen" only the vectors not yet arrived. "poll-all" is what the tables
+# above measured; "poll-unseen" is to be measured.
+LAMPORT_FORMS = ("poll-all", "poll-unseen")
+# Each algorithm's forms (a compile-time choice that keeps the bits), the default first.
+ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS}
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,7 @@ class Tuning:
     pdl: programmatic dependent launch (NOTE [programmatic dependent launch] in kernels/allreduce.py).
     rows_per_cta: {algo: rows per CTA}, 0 = choose_tiling's.
     twoshot_form: one of TWOSHOT_FORMS (the two-shot kernel's traffic; same bits).
+    lamport_form: one of LAMPORT_FORMS (how a lamport reader polls; same bits).
     timeout_s: how long a CTA waits for a peer before it records a timeout and gives up.
     host_timeout_s: how long a host-side wait for the group (the first lamport call's preparation,
       reset) lasts before it raises: long, because ranks reach their first call at different times
@@ -121,14 +129,20 @@ class Tuning:
     rows_per_cta: Mapping[str, int] = field(default_factory=_default_rows_per_cta)
     timeout_s: float = 10.0
     host_timeout_s: float = 120.0
-    twoshot_form: str = "push"
+    twoshot_form: str = TWOSHOT_FORMS[0]
+    lamport_form: str = LAMPORT_FORMS[0]
 
     def __post_init__(self) -> None:
-        if self.twoshot_form not in TWOSHOT_FORMS:
-            raise ValueError(f"twoshot_form must be one of {TWOSHOT_FORMS}, got {self.twoshot_form!r}")
+        for name, forms in (("twoshot_form", TWOSHOT_FORMS), ("lamport_form", LAMPORT_FORMS)):
+            if getattr(self, name) not in forms:
+                raise ValueError(f"{name} must be one of {forms}, got {getattr(self, name)!r}")
         for name in ("timeout_s", "host_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 s, got {getattr(self, name)!r}")
+
+    def form(self, algo: str) -> str:
+        """The form of `algo`'s kernel (ALGORITHM_FORMS); "" for an algorithm with one form."""
+        return {"twoshot": self.twoshot_form, "lamport": self.lamport_form}.get(algo, "")
 
     @property
     def timeout_ns(self) -> int:
@@ -137,12 +151,13 @@ class Tuning:
     @classmethod
     def from_env(cls) -> "Tuning":
         """The defaults, overridden by DISTNORM_PDL=0 (no programmatic dependent launch),
-        DISTNORM_BARRIER_TIMEOUT_S and DISTNORM_HOST_TIMEOUT_S (seconds) and DISTNORM_TWOSHOT_FORM
-        (one of TWOSHOT_FORMS)."""
+        DISTNORM_BARRIER_TIMEOUT_S and DISTNORM_HOST_TIMEOUT_S (seconds), DISTNORM_TWOSHOT_FORM
+        (one of TWOSHOT_FORMS) and DISTNORM_LAMPORT_FORM (one of LAMPORT_FORMS)."""
         return cls(pdl=pdl_from_env(),
                    timeout_s=_seconds("DISTNORM_BARRIER_TIMEOUT_S", cls.timeout_s),
                    host_timeout_s=_seconds("DISTNORM_HOST_TIMEOUT_S", cls.host_timeout_s),
-                   twoshot_form=os.environ.get("DISTNORM_TWOSHOT_FORM", cls.twoshot_form))
+                   twoshot_form=os.environ.get("DISTNORM_TWOSHOT_FORM", cls.twoshot_form),
+                   lamport_form=os.environ.get("DISTNORM_LAMPORT_FORM", cls.lamport_form))
 
 
 def pdl_from_env() -> bool:

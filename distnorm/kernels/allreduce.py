@@ -23,7 +23,7 @@ One kernel class, three compile-time algorithms:
   instead of T(acc) keeps h = T(acc + float(res)) exact (one rounding of the float32 sum) and
   bitwise identical on all ranks. Final cta_barrier as in one-shot (NOTE [two-shot final barrier]).
   Buffer: scatter [N][S][H] T, then gather h [N*S][H] T, then (optional) gather acc [N*S][H] T.
-  NOTE [two-shot forms]: `twoshot_form` (plan.TWOSHOT_FORMS, a Tuning knob: same bits, other traffic)
+  NOTE [two-shot forms]: `form` (plan.TWOSHOT_FORMS, a Tuning knob: same bits, other traffic)
   chooses who moves the rows over NVLink. "push" is the above (remote stores in both exchanges).
   "pull-gather": phase 2 writes T(h) (and T(acc)) of my slice into MY gather area only, and phase 3
   loads the other slices' rows from their owners' gather areas (remote loads; nothing pushed).
@@ -92,7 +92,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 # absolute imports: the 4.3.5 DSL preprocessor needs them
 from distnorm.collectives.layout import CALL_W_LAST, DEVICE_ERROR_WORD, region_word
-from distnorm.collectives.plan import ALGORITHMS, TWOSHOT_FORMS
+from distnorm.collectives.plan import ALGORITHM_FORMS, ALGORITHMS
 from distnorm.collectives.signature import (SIGNATURE_MULTIPLIER, CallDescriptor,
                                             signature_constant)
 from distnorm.formats import VEC, QuantSpec
@@ -110,9 +110,11 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
 
     def __init__(self, algo: str, world: int, tiling: RowTiling, quant: QuantSpec,
                  has_residual: bool, gemma: bool, write_y: bool, write_allreduce: bool,
-                 pdl: bool = False, dtype: str = "bfloat16", twoshot_form: str = "push"):
+                 pdl: bool = False, dtype: str = "bfloat16", form: str = ""):
         assert algo in ALGORITHMS, algo
-        assert twoshot_form in TWOSHOT_FORMS, twoshot_form
+        forms = ALGORITHM_FORMS.get(algo, ("",))
+        form = form or forms[0]
+        assert form in forms, (algo, form)
         assert tiling.cluster_n == 1, "the all-reduce kernels use one CTA per row group"
         self.algo = algo
         self.world = world
@@ -121,9 +123,10 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
         self.has_residual = has_residual
         self.write_allreduce = write_allreduce
         self.pdl = pdl  # NOTE [programmatic dependent launch]
-        # NOTE [two-shot forms]
-        self.pull_scatter = algo == "twoshot" and twoshot_form == "pull"
-        self.pull_gather = algo == "twoshot" and twoshot_form in ("pull", "pull-gather")
+        # NOTE [two-shot forms], NOTE [lamport polls]
+        self.pull_scatter = algo == "twoshot" and form == "pull"
+        self.pull_gather = algo == "twoshot" and form in ("pull", "pull-gather")
+        self.poll_unseen = algo == "lamport" and form == "poll-unseen"
         # two-shot gathers T(acc) separately only when it differs from the gathered h
         self.gather_acc = write_allreduce and has_residual
         # signal-pad region: one-shot's / two-shot's barrier, lamport's call state

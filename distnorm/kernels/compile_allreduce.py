@@ -1,7 +1,7 @@
 """Compile the all-reduce kernels once per compile-time key (fake tensors, TVM-FFI, symbolic M).
 
 Key: (algo, world, dtype, H, quant, residual, gemma, write_y, write_allreduce, pdl, rows_per_cta,
-twoshot_form).
+form): form is one of plan.ALGORITHM_FORMS[algo] ("" = the default; "" for one-shot).
 Rows, rank, grid size, eps, timeout and the peer-pointer tables are run-time arguments: a new token
 count, a new workspace or a new rank never recompiles.
 
@@ -48,13 +48,13 @@ def co_resident_ctas_per_sm(tiling: RowTiling) -> int:
 def compiled_allreduce(algo: str, world: int, dtype: str, hidden: int, quant: QuantSpec,
                        has_residual: bool, gemma: bool, write_y: bool,
                        write_allreduce: bool, pdl: bool = False, rows_per_cta: int = 0,
-                       twoshot_form: str = "push") -> tuple:
+                       form: str = "") -> tuple:
     """The compiled all-reduce kernel of `algo` (this describes it; compat.compiled_kernel compiles
     and caches it)."""
     cdtype = CUTE_DTYPES[dtype]
     tiling = allreduce_tiling(hidden, quant, rows_per_cta)
     kernel = AllReduceAddRMSNormQuant(algo, world, tiling, quant, has_residual, gemma, write_y,
-                                      write_allreduce, pdl, dtype, twoshot_form)
+                                      write_allreduce, pdl, dtype, form)
     m = compat.sym_int(32)
     # reducescatter: x has the call's M rows, the outputs the shard's (another run-time count)
     m_out = compat.sym_int(32) if algo == "reducescatter" else m

@@ -15,6 +15,15 @@ the quantized zero codes change sign), whereas any sum containing a NaN is the c
 GPU (float32 add returns 0x7FFFFFFF whatever the payloads), so rewriting one NaN payload into another
 cannot change any output for world >= 2. With world 1 (no add) a 0xFFFF input becomes 0x7FFF, i.e.
 the NaN's sign bit is dropped; nothing else changes.
+
+NOTE [lamport polls]
+A reader polls its rows' vectors in its own area until every word of every peer slot differs from
+the sentinel. Form "poll-all" (plan.LAMPORT_FORMS, a Tuning knob) re-reads every slot, x included,
+on every pass, so at N ranks a spinning CTA loads N times the vectors it waits for, load traffic
+the arriving peer stores share the memory system with. Form "poll-unseen" keeps, per slot, a mask
+of the vectors not yet read complete and each pass reads only those: a vector whose four words all
+arrived in one read is final for this call (the area is refilled only two calls later, NOTE
+[lamport clearing]), and my own slot (x) is read once. The words summed are the same either way.
 """
 from __future__ import annotations
 
@@ -109,6 +118,37 @@ class LamportOneShot:
     # predecessor before its first memory access, NOTE [programmatic dependent launch]) and a call
     # never writes more than one area (max_chunk_rows("lamport")). oneshot / twoshot do not touch the lamport areas.
     @cute.jit
+    def _load_vector(self, rAll, s: cutlass.Constexpr, j: cutlass.Constexpr, src: Int64, v):
+        """Vector v of the slot at `src` (volatile, system scope) into words (s * nv + j) * 4 ...
+        of rAll; returns the four words."""
+        a, b, c, d = ld_volatile_sys_v4_u32(src + Int64(v) * Int64(16))
+        w0 = (s * self.t.vecs_per_thread + j) * 4
+        rAll[w0] = a
+        rAll[w0 + 1] = b
+        rAll[w0 + 2] = c
+        rAll[w0 + 3] = d
+        return a, b, c, d
+
+    @cute.jit
+    def _poll_unseen(self, rAll, rWait, s: cutlass.Constexpr, src: Int64, own: Int64, rank: Int32,
+                     lane: Int32, pending: Int32) -> Int32:
+        """One pass of NOTE [lamport polls] over slot s: read the vectors of rWait[s] (slot
+        `rank` from `own`, x, complete at once), clear the bits of those that arrived whole;
+        `pending` becomes 1 while any is left."""
+        own_slot = Int32(s) == rank
+        if own_slot:
+            src = own
+        for j in cutlass.range_constexpr(self.t.vecs_per_thread):
+            if ((rWait[s] >> j) & Int32(1)) != Int32(0):
+                a, b, c, d = self._load_vector(rAll, s, j, src, lane + j * self.t.row_threads)
+                if ((a != Int32(-1)) & (b != Int32(-1)) & (c != Int32(-1)) & (d != Int32(-1))) \
+                        | own_slot:
+                    rWait[s] = rWait[s] & Int32(~(1 << j))
+        if rWait[s] != Int32(0):
+            pending = Int32(1)
+        return pending
+
+    @cute.jit
     def _lamport(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
                  rank: Int32, eps: Float32, timeout: Int64, rows: Int32, groups: Int32):
         t = self.t
@@ -127,6 +167,7 @@ class LamportOneShot:
         # NormQuantCore.widen: a fragment read through two views was miscompiled)
         rAll = cute.make_rmem_tensor(cute.make_layout(world * nv * 4), Int32)
         rAll.fill(0)
+        rWait = cute.make_rmem_tensor(cute.make_layout(world), Int32)  # NOTE [lamport polls]
         rTw = self.core.zero_words()
         half = half_name(dtype)
 
@@ -222,6 +263,16 @@ class LamportOneShot:
                 own = self._row_addr(mX, row)
                 # the first row of CTA 0: thread 0 also waits for the peers' descriptors
                 check_hdr = Int32((tidx == 0) & (g == 0))
+                if const_expr(self.poll_unseen):
+                    # bit j of rWait[s]: vector j of slot s not read complete yet
+                    for s in cutlass.range_constexpr(world):
+                        wait_s = Int32(0)
+                        for j in cutlass.range_constexpr(nv):
+                            if const_expr(t.exact):
+                                wait_s = wait_s | Int32(1 << j)
+                            else:
+                                wait_s = wait_s | (Int32(lane + j * t.row_threads < t.vecs) << j)
+                        rWait[s] = wait_s
                 pending = Int32(1)
                 missing = Int32(0)
                 spins = Int32(0)
@@ -235,26 +286,27 @@ class LamportOneShot:
                             missing = Int32(-1)
                     for s in cutlass.range_constexpr(world):
                         src = row_off + slot_bytes * Int64(s)
-                        peer = Int32(1)
-                        if Int32(s) == rank:  # x itself: any bits, never waited for
-                            src = own
-                            peer = Int32(0)
-                        pend_s = Int32(0)
-                        for j in cutlass.range_constexpr(nv):
-                            v = lane + j * t.row_threads
-                            if const_expr(t.exact) or v < t.vecs:
-                                a, b, c, d = ld_volatile_sys_v4_u32(src + Int64(v) * Int64(16))
-                                w0 = (s * nv + j) * 4
-                                rAll[w0] = a
-                                rAll[w0 + 1] = b
-                                rAll[w0 + 2] = c
-                                rAll[w0 + 3] = d
-                                pend_s = pend_s | Int32(a == Int32(-1)) | Int32(b == Int32(-1))
-                                pend_s = pend_s | Int32(c == Int32(-1)) | Int32(d == Int32(-1))
-                        pend_s = pend_s & peer
-                        if pend_s != Int32(0):
-                            missing = Int32(s)
-                        pending = pending | pend_s
+                        if const_expr(self.poll_unseen):
+                            pending = self._poll_unseen(rAll, rWait, s, src, own, rank, lane,
+                                                        pending)
+                            if rWait[s] != Int32(0):
+                                missing = Int32(s)
+                        else:
+                            peer = Int32(1)
+                            if Int32(s) == rank:  # x itself: any bits, never waited for
+                                src = own
+                                peer = Int32(0)
+                            pend_s = Int32(0)
+                            for j in cutlass.range_constexpr(nv):
+                                v = lane + j * t.row_threads
+                                if const_expr(t.exact) or v < t.vecs:
+                                    a, b, c, d = self._load_vector(rAll, s, j, src, v)
+                                    pend_s = pend_s | Int32(a == Int32(-1)) | Int32(b == Int32(-1))
+                                    pend_s = pend_s | Int32(c == Int32(-1)) | Int32(d == Int32(-1))
+                            pend_s = pend_s & peer
+                            if pend_s != Int32(0):
+                                missing = Int32(s)
+                            pending = pending | pend_s
                     if pending != Int32(0):
                         spins = spins + Int32(1)
                         if (spins & Int32(SPIN_CHECK_MASK)) == Int32(0):

@@ -1,0 +1,161 @@
+"""The algorithms' forms (distnorm.collectives.plan.ALGORITHM_FORMS: two-shot "push", "pull-gather",
+"pull", NOTE [two-shot forms] in distnorm/kernels/allreduce.py; lamport "poll-all", "poll-unseen",
+NOTE [lamport polls] in distnorm/kernels/lamport.py): each meets the reference on every element and
+every form of an algorithm gives the same bytes (same float32 operations, other traffic).
+Back-to-back calls that mix the forms with the other algorithms, never synchronized in between,
+check the barriers and areas that keep a peer's reads apart from the next call's writes.
+
+    torchrun --nproc-per-node 2 -m pytest tests/multigpu/test_forms_gpu.py -q
+    mpirun -np 2 python -m pytest tests/multigpu/test_forms_gpu.py -q
+    python -m pytest tests/multigpu/test_forms_gpu.py -q    # spawns one process per GPU
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from allreduce_cases import (BUFFER_BYTES, algo_capacity_rows, checked_on_every_rank,
+                             group_bootstrap, make_inputs, quant_kwargs, quant_spec)
+from harness import MULTIGPU_MARKS, all_gather_tensors, gathered_check
+from distnorm.collectives.plan import ALGORITHM_FORMS
+from distnorm.launch import run_distributed
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = MULTIGPU_MARKS
+QUICK = os.environ.get("DISTNORM_QUICK") == "1"
+FULL = os.environ.get("DISTNORM_FULL") == "1"
+TIMEOUT_S = 400
+H = 4096
+# (format, M): ragged slices, padded scale rows, chunked launches with the plain all-reduce and the
+# gathered T(acc); the mixed test runs the first format's kernels (compiles are what these cost)
+CASES = [("fp8_per_token", 3), ("nvfp4", 100), ("none", "cap+1")]
+if FULL:
+    CASES += [("none", 1), ("fp8", 1000), ("mxfp8", "cap+1")]
+MIXED_CALLS = 60 if QUICK else 300
+MIXED_SIZES = (1, 7, 100, 2048, 64)
+MIXED_FORMAT = CASES[0][0]
+MIXED_ALGOS = ("twoshot", "oneshot", "lamport", "twoshot", "lamport")
+
+
+def _tuned(ws, algo: str, form: str) -> None:
+    """The workspace's calls from now on use `form` for `algo` (its planned calls are dropped)."""
+    import dataclasses
+
+    from distnorm.collectives.state import state_of
+    state = state_of(ws)
+    state.tuning = dataclasses.replace(state.tuning, **{f"{algo}_form": form})
+
+
+def _body_forms_agree(algo: str) -> None:
+    from distnorm.collectives.state import state_of
+    from distnorm.comm import Workspace
+
+    boot = group_bootstrap()
+    with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
+        assert ws.p2p_ok, f"no peer mappings: {ws.fallback_reason}"
+        first = {}
+        kernels_of = {}  # form -> the compiled kernels of its calls that ran `algo`
+        for form in ALGORITHM_FORMS[algo]:
+            _tuned(ws, algo, form)
+            kernels = kernels_of[form] = set()
+            for seed, (qname, M) in enumerate(CASES):
+                if M == "cap+1":
+                    M = algo_capacity_rows(algo, ws.world_size, H, quant_spec(qname)) + 1
+                what = f"{algo} {form} {qname} M={M}"
+                digests = checked_on_every_rank(boot, ws, what, algo, qname, M, H, 60 + seed)
+                first.setdefault((qname, M), (form, digests))
+                was, want = first[(qname, M)]
+                assert digests == want, f"{what}: outputs differ from the {was} form's"
+                kernels.update(id(c.kernel) for c in state_of(ws)._calls.values() if c.algo == algo)
+        # each form ran kernels of its own (the Tuning reached the kernel key)
+        forms = list(kernels_of)
+        assert all(kernels_of.values()), f"{algo}: a form ran no {algo} kernel"
+        for a, b in zip(forms, forms[1:]):
+            assert not kernels_of[a] & kernels_of[b], f"the {a} and {b} forms shared kernels"
+        ws.barrier()
+
+
+def _body_mixed_back_to_back(calls: int) -> None:
+    from distnorm.collectives import allreduce_add_rmsnorm
+    from distnorm.comm import Workspace
+    from distnorm.reference import allreduce_add_rmsnorm_ref
+
+    boot = group_bootstrap()
+    with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
+        kw, _ = quant_kwargs(MIXED_FORMAT)
+        data = {M: make_inputs(M, H, ws.rank, 700 + M, world=ws.world_size) for M in MIXED_SIZES}
+        refs = {M: allreduce_add_rmsnorm_ref(all_gather_tensors(data[M][0]), data[M][1],
+                                             data[M][2], 1e-6, norm_out=True, allreduce_out=True,
+                                             **kw) for M in MIXED_SIZES}
+        last = {}
+        for i in range(calls):
+            M = MIXED_SIZES[i % len(MIXED_SIZES)]
+            step = i // len(MIXED_SIZES)
+            algo = MIXED_ALGOS[step % len(MIXED_ALGOS)]
+            if algo in ALGORITHM_FORMS:
+                forms = ALGORITHM_FORMS[algo]
+                _tuned(ws, algo, forms[step % len(forms)])
+            x, res, w = data[M]
+            last[M] = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, algo=algo,
+                                            norm_out=True, allreduce_out=True, **kw)
+        torch.cuda.synchronize()
+
+        def check():
+            ws.raise_if_failed()
+            for M in MIXED_SIZES:
+                assert torch.equal(last[M].residual, refs[M].residual), f"M={M}: residual differs"
+                assert torch.equal(last[M].allreduce, refs[M].allreduce), f"M={M}: allreduce differs"
+                eq = (last[M].q.view(torch.uint8) == refs[M].q.view(torch.uint8)).float().mean().item()
+                assert eq >= 0.999, f"M={M}: only {eq} of fp8 bytes equal"
+        gathered_check(boot, check)
+        ws.barrier()
+
+
+def kernel_keys(test: str, params: dict) -> list[tuple]:
+    """The kernels these tests launch (tests/conftest.py compiles them ahead)."""
+    import dataclasses
+
+    from distnorm.collectives.dispatch import allreduce_kernel_key
+    from distnorm.collectives.plan import Tuning, plan_launch
+    from distnorm.launch.spawn import launch_world_size
+
+    world = launch_world_size()
+    if world < 2:
+        return []
+    keys = []
+
+    def key(algo, form, spec, M, residual, write_y, write_ar, plain):
+        tuning = Tuning.from_env()
+        if algo in ALGORITHM_FORMS:
+            tuning = dataclasses.replace(tuning, **{f"{algo}_form": form})
+        launched, _ = plan_launch(algo, world, M, H, 2, BUFFER_BYTES,
+                                  spec is not None and spec.swizzled, write_ar and residual, plain)
+        return ("allreduce", *allreduce_kernel_key(launched, world, torch.bfloat16, H, spec,
+                                                   residual, False, write_y, write_ar, tuning))
+    if test == "test_forms_agree":
+        algo = params["algo"]
+        for form in ALGORITHM_FORMS[algo]:
+            for qname, M in CASES:
+                M = 1 if M == "cap+1" else M
+                keys.append(key(algo, form, quant_spec(qname), M, True, True, True, False))
+                if qname == "none":
+                    keys.append(key(algo, form, None, M, False, False, True, True))
+    if test == "test_forms_mixed_back_to_back":
+        for algo in dict.fromkeys(MIXED_ALGOS):
+            for form in ALGORITHM_FORMS.get(algo, ("",)):
+                keys += [key(algo, form, quant_spec(MIXED_FORMAT), M, True, True, True, False)
+                         for M in MIXED_SIZES]
+    return list(dict.fromkeys(keys))
+
+
+@pytest.mark.parametrize("algo", list(ALGORITHM_FORMS))
+def test_forms_agree(algo):
+    run_distributed(_body_forms_agree, algo, timeout_s=TIMEOUT_S)
+
+
+def test_forms_mixed_back_to_back():
+    run_distributed(_body_mixed_back_to_back, MIXED_CALLS, timeout_s=TIMEOUT_S)

@@ -29,7 +29,7 @@ from common import plot_us_per_m, time_graph_us, unfused_tail  # noqa: E402
 import distnorm  # noqa: E402
 from distnorm.collectives import allreduce, allreduce_add_rmsnorm  # noqa: E402
 from distnorm.collectives.dispatch import gathered_sum  # noqa: E402
-from distnorm.collectives.plan import Tuning  # noqa: E402
+from distnorm.collectives.plan import ALGOS, Tuning  # noqa: E402
 from distnorm.collectives.state import state_of  # noqa: E402
 from distnorm.comm import Workspace  # noqa: E402
 from distnorm.launch import init_distributed  # noqa: E402
@@ -47,7 +47,8 @@ def main():
     ap.add_argument("--tuning", nargs="*", default=[],
                     help="extra distnorm variants NAME:pdl=0|1,rpc=N,rpcts=N (rows per CTA of lamport and "
                          "one-shot / of two-shot),form=push|pull-gather|pull (two-shot),"
-                         "lform=poll-all|poll-unseen (lamport), each run as dn_*@NAME beside the defaults")
+                         "lform=poll-all|poll-unseen (lamport),ctas=N (most CTAs per launch, every algorithm), "
+                         "each run as dn_*@NAME beside the defaults")
     args = ap.parse_args()
     variants = {"": {}}
     for spec in args.tuning:
@@ -164,7 +165,8 @@ def apply_tuning(ws, tune: dict) -> None:
     state_of(ws).tuning = Tuning(pdl=bool(int(tune.get("pdl", _DEFAULT_TUNING.pdl))),
                                  rows_per_cta=rpc, timeout_s=_DEFAULT_TUNING.timeout_s,
                                  twoshot_form=tune.get("form", _DEFAULT_TUNING.twoshot_form),
-                                 lamport_form=tune.get("lform", _DEFAULT_TUNING.lamport_form))
+                                 lamport_form=tune.get("lform", _DEFAULT_TUNING.lamport_form),
+                                 max_ctas={a: int(tune["ctas"]) for a in ALGOS if "ctas" in tune})
 
 
 def outputs_correct(name, x, res, ro, xc) -> bool:

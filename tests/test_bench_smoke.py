@@ -54,3 +54,33 @@ def _fallback_smoke() -> None:
 def test_fallback_benchmark_cases_run():
     """benchmarks/bench_fallback.py's paths, once each on gloo ranks: the distnorm ones agree."""
     spawn(_fallback_smoke, 2, timeout_s=300, cpu_only=True)
+
+
+class _FakeWorkspace:
+    """Just the op-state store of a Workspace (what the benchmark's apply_tuning touches)."""
+
+    def __init__(self) -> None:
+        self.states: dict = {}
+
+    def op_state(self, name, factory):
+        return self.states.setdefault(name, factory())
+
+
+def test_allreduce_benchmark_tuning_reaches_the_workspace(monkeypatch):
+    """bench_allreduce_fusion.py's --tuning NAME:k=v,... variants set every knob they name on the
+    workspace's Tuning (whose setter drops the calls planned under the last one)."""
+    for name in ("DISTNORM_TWOSHOT_FORM", "DISTNORM_LAMPORT_FORM", "DISTNORM_PDL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import bench_allreduce_fusion as bench
+
+    ws = _FakeWorkspace()
+    bench.apply_tuning(ws, {"form": "pull", "lform": "poll-unseen", "ctas": "24", "pdl": "0",
+                            "rpcts": "1"})
+    t = ws.states["allreduce"].tuning
+    assert (t.twoshot_form, t.lamport_form, t.pdl, t.rows_per_cta["twoshot"]) == \
+        ("pull", "poll-unseen", False, 1)
+    assert t.ctas("twoshot", 132) == t.ctas("lamport", 132) == 24
+    bench.apply_tuning(ws, {})
+    t = ws.states["allreduce"].tuning
+    assert (t.twoshot_form, t.lamport_form, t.ctas("twoshot", 132)) == ("push", "poll-all", 132)

@@ -84,6 +84,9 @@ def test_algorithm_form_tuning(monkeypatch):
                        ("reducescatter", "")):  # the last two have one form
         assert allreduce_kernel_key(algo, 4, torch.bfloat16, 4096, None, True, False, True, True,
                                     pull)[-1] == form
+    capped = Tuning(max_ctas={"twoshot": 24})
+    assert capped.ctas("twoshot", 132) == 24 and capped.ctas("twoshot", 16) == 16
+    assert capped.ctas("lamport", 132) == 132  # uncapped: every co-resident CTA
     state = AllReduceState(Tuning())
     state._calls["planned"] = object()
     state._grid_caps["cap"] = 1

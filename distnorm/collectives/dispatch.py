@@ -72,7 +72,8 @@ class PlannedCall:
         key = allreduce_kernel_key(self.algo, ws.world_size, dtype, H, kspec, has_residual, gemma,
                                    write_y, write_allreduce, state.tuning)
         self.kernel = compiled_allreduce(*key)
-        self.ctas = state.grid_cap(ws.device, H, kspec, key[ROWS_PER_CTA_ARG])
+        self.ctas = state.tuning.ctas(self.algo, state.grid_cap(ws.device, H, kspec,
+                                                                 key[ROWS_PER_CTA_ARG]))
         self.scalar = format_scalar(spec)  # the one scalar argument the format takes
 
 

@@ -117,6 +117,8 @@ class Tuning:
 
     pdl: programmatic dependent launch (NOTE [programmatic dependent launch] in kernels/allreduce.py).
     rows_per_cta: {algo: rows per CTA}, 0 = choose_tiling's.
+    max_ctas: {algo: most CTAs of one launch}, 0 or absent = as many as are co-resident (the
+      barrier kernels' limit, always kept); a run-time argument, so no recompile.
     twoshot_form: one of TWOSHOT_FORMS (the two-shot kernel's traffic; same bits).
     lamport_form: one of LAMPORT_FORMS (how a lamport reader polls; same bits).
     timeout_s: how long a CTA waits for a peer before it records a timeout and gives up.
@@ -131,6 +133,7 @@ class Tuning:
     host_timeout_s: float = 120.0
     twoshot_form: str = TWOSHOT_FORMS[0]
     lamport_form: str = LAMPORT_FORMS[0]
+    max_ctas: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, forms in (("twoshot_form", TWOSHOT_FORMS), ("lamport_form", LAMPORT_FORMS)):
@@ -139,6 +142,11 @@ class Tuning:
         for name in ("timeout_s", "host_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 s, got {getattr(self, name)!r}")
+
+    def ctas(self, algo: str, co_resident: int) -> int:
+        """CTAs of one `algo` launch: at most `co_resident`, at most max_ctas[algo] when set."""
+        cap = self.max_ctas.get(algo, 0)
+        return min(cap, co_resident) if cap > 0 else co_resident
 
     def form(self, algo: str) -> str:
         """The form of `algo`'s kernel (ALGORITHM_FORMS); "" for an algorithm with one form."""

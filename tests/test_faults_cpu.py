@@ -40,6 +40,24 @@ def test_descriptor_words_round_trip_for_every_format_and_algorithm():
     assert len(seen) == len(specs) * len(ALGORITHMS) * 2  # distinct kernels, distinct words
 
 
+def test_descriptors_carry_the_form():
+    """Ranks in different forms of one algorithm (NOTE [two-shot forms], NOTE [lamport polls])
+    would read rows their peers never wrote: the form is in the words, named when it differs, and
+    the default form leaves the words (and the kernels' constants) as they were."""
+    from distnorm.collectives.plan import ALGORITHM_FORMS
+    for algo, forms in ALGORITHM_FORMS.items():
+        default = _descriptor(algo=algo)
+        assert default.form == forms[0] and default.words() == _descriptor(algo=algo, form=forms[0]).words()
+        assert (default.words()[2] >> 9) & 7 == 0
+        for form in forms[1:]:
+            d = _descriptor(algo=algo, form=form)
+            assert CallDescriptor.from_words(d.words()) == d
+            assert d.signature() != default.signature()
+            assert default.differences(d) == [f"form: {forms[0]} vs {form}"]
+            assert f"form={form}" in str(d)
+    assert _descriptor(algo="oneshot").form == ""
+
+
 def test_differences_name_the_fields_and_signatures_differ():
     a, b = _descriptor(), _descriptor(rows=64, quant=make_quant_spec("nvfp4"))
     assert a.differences(b) == ["rows: 128 vs 64", "quant: fp8_per_token vs nvfp4(group_size=16, "

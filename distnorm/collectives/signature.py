@@ -4,7 +4,9 @@ the kernels exchange (layout.CALL_W_*), and the 32-bit signature the barrier fla
     word 0  rows of this launch (M of the launch: a chunk of the call's rows)
     word 1  H
     word 2  algorithm | dtype << 4 | residual << 5 | norm output << 6 | all-reduce output << 7 |
-            gemma << 8 | world size << 12
+            gemma << 8 | form << 9 | world size << 12 (form: the index of the algorithm's form in
+            plan.ALGORITHM_FORMS, 0 = its default: ranks in different forms would read rows where
+            their peers never wrote them, so the form is part of what they must agree on)
     word 3  the quantization format (QuantSpec): kind | group size << 4 | swizzled << 12 |
             column-major << 13 | ue8m0 << 14
 
@@ -33,6 +35,11 @@ def _algos() -> tuple:
     return tuple(ALGORITHMS)
 
 
+def _forms(algo: str) -> tuple:
+    from distnorm.collectives.plan import ALGORITHM_FORMS
+    return ALGORITHM_FORMS.get(algo, ("",))
+
+
 @dataclass(frozen=True)
 class CallDescriptor:
     """One launch as the kernels describe it (see the module docstring)."""
@@ -47,10 +54,16 @@ class CallDescriptor:
     allreduce_out: bool
     gemma: bool
     world: int
+    form: str = ""  # "" = the algorithm's default form
+
+    def __post_init__(self) -> None:
+        if not self.form:
+            object.__setattr__(self, "form", _forms(self.algo)[0])
 
     def words(self) -> tuple[int, int, int, int]:
         flags = (_algos().index(self.algo) | _DTYPES.index(self.dtype) << 4 | self.residual << 5
-                 | self.norm_out << 6 | self.allreduce_out << 7 | self.gemma << 8 | self.world << 12)
+                 | self.norm_out << 6 | self.allreduce_out << 7 | self.gemma << 8
+                 | _forms(self.algo).index(self.form) << 9 | self.world << 12)
         q = kernel_spec(self.quant)
         qword = (_KINDS.index(q.kind) | q.group_size << 4 | q.swizzled << 12 | q.col_major << 13
                  | q.scale_ue8m0 << 14)
@@ -66,9 +79,10 @@ class CallDescriptor:
             group = (qword >> 4) & 0xFF
             quant = QuantSpec(kind, group, "swizzled" if qword >> 12 & 1 else "linear",
                               "col" if qword >> 13 & 1 else "row", bool(qword >> 14 & 1))
-            return cls(rows, hidden, algos[flags & 0xF], _DTYPES[flags >> 4 & 1],
+            algo = algos[flags & 0xF]
+            return cls(rows, hidden, algo, _DTYPES[flags >> 4 & 1],
                        quant, bool(flags >> 5 & 1), bool(flags >> 6 & 1), bool(flags >> 7 & 1),
-                       bool(flags >> 8 & 1), flags >> 12 & 0xFF)
+                       bool(flags >> 8 & 1), flags >> 12 & 0xFF, _forms(algo)[flags >> 9 & 0x7])
         except IndexError:
             return None
 
@@ -88,8 +102,9 @@ class CallDescriptor:
 
     def __str__(self) -> str:
         outs = [n for n in ("residual", "norm_out", "allreduce_out", "gemma") if getattr(self, n)]
+        form = f" form={self.form}" if self.form else ""
         return (f"M={self.rows} H={self.hidden} {self.dtype} {_quant_name(self.quant)} "
-                f"algo={self.algo} world={self.world}" + (f" [{', '.join(outs)}]" if outs else ""))
+                f"algo={self.algo}{form} world={self.world}" + (f" [{', '.join(outs)}]" if outs else ""))
 
 
 def _quant_name(q: QuantSpec) -> str:

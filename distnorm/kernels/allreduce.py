@@ -135,7 +135,7 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
         # NOTE [call descriptor]: words 1-3 of this kernel's descriptor and its signature constant
         # (collectives/signature.py); word 0 is the launch's M
         self.desc = CallDescriptor(0, tiling.hidden, algo, dtype, quant, has_residual, write_y,
-                                   write_allreduce, gemma, world).words()
+                                   write_allreduce, gemma, world, form).words()
         self.sig_const = signature_constant(self.desc)
 
     # ---- host side -----------------------------------------------------------------------------

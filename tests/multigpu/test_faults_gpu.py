@@ -148,7 +148,8 @@ MISMATCHES = {  # field -> (rank 0's call, rank 1's call)
 
 
 def _body_mismatch() -> None:
-    """Ranks disagree on M / H / format under every algorithm: in checked mode both ranks' calls
+    """Ranks disagree on M / H / format under every algorithm (and on the form of two-shot and
+    lamport): in checked mode both ranks' calls
     raise CommMismatchError naming the field (at once), or CommTimeoutError naming it after the
     kernel timeout where the two calls resolve to different kernels, which never meet; reset; then the default (unchecked) contract: the call
     returns, check() after a synchronize raises, the next call raises before launching; reset;
@@ -166,8 +167,9 @@ def _body_mismatch() -> None:
                 _call(ws, algo, **kw)
         torch.cuda.synchronize()
 
-        def one(field, algo):
-            kw = MISMATCHES[field][min(ws.rank, 1)]  # rank 0 against all the others
+        def one(field, algo, kw=None, restore=None):
+            if kw is None:
+                kw = MISMATCHES[field][min(ws.rank, 1)]  # rank 0 against all the others
             t0 = time.monotonic()
             with pytest.raises(CommTimeoutError) as e:
                 _call(ws, algo, **kw)
@@ -184,6 +186,8 @@ def _body_mismatch() -> None:
                 assert "The last launches differ" in str(e.value), str(e.value)
                 assert f"{field}: " in str(e.value).split("Last launches")[0], str(e.value)
                 assert took < KERNEL_TIMEOUT_S + 3, took
+            if restore is not None:
+                restore()
             boot.barrier()
             reset(ws)
             _call(ws, algo)
@@ -193,6 +197,27 @@ def _body_mismatch() -> None:
         for field in MISMATCHES:
             for algo in ALGOS:
                 gathered_check(boot, one, field, algo)
+
+        def one_form(algo):
+            """Rank 0 in the algorithm's default form, the others in the next one: they would
+            read rows where their peers never wrote them (the form is in the call descriptor)."""
+            import dataclasses
+
+            from distnorm.collectives.plan import ALGORITHM_FORMS
+            from distnorm.collectives.state import state_of
+            state = state_of(ws)
+            default = state.tuning
+            state.tuning = dataclasses.replace(default, **{f"{algo}_form": ALGORITHM_FORMS[algo][1]})
+            _call(ws, algo)  # every rank in the other form first: it compiles, and they agree
+            torch.cuda.synchronize()
+            check(ws)
+            boot.barrier()
+            if ws.rank == 0:
+                state.tuning = default
+            one("form", algo, {}, restore=lambda: setattr(state, "tuning", default))
+
+        for algo in ("twoshot", "lamport"):
+            gathered_check(boot, one_form, algo)
 
         distnorm.set_value_checks(False)
 

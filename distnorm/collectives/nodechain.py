@@ -80,8 +80,6 @@ class NodeChain:
     def reduce(self, x: Tensor) -> Optional[Tensor]:
         """x [M, H] of this rank -> float32 [rows of slice j, H], the fold over every rank of the
         group (last node only; None on the others, after passing their running sum on)."""
-        import torch.distributed as dist
-
         M, H = x.shape
         parts = exchange_slices(x, self.node_group)
         start, stop = self.bounds(M)
@@ -91,11 +89,11 @@ class NodeChain:
         acc = None
         if self.node > 0:
             acc = torch.empty(rows, H, dtype=torch.float32, device=x.device)
-            dist.recv(acc, src=self.column[self.node - 1])
+            _recv(acc, self.column[self.node - 1])
         acc = fold_slices(parts, rows, acc)
         if self.last:
             return acc
-        dist.send(acc, dst=self.column[self.node + 1])
+        _send(acc, self.column[self.node + 1])
         return None
 
     def gather(self, t: Optional[Tensor], M: int, like: Tensor) -> Tensor:
@@ -112,3 +110,25 @@ class NodeChain:
         elif t is None:
             t = torch.empty(shape, dtype=like.dtype, device=like.device)
         return gather_rows(t, M, self.node_group)
+
+
+def _through_cpu(t: Tensor) -> bool:
+    """gloo's send / recv take CPU tensors only: a CUDA tensor aborts the process (ranks that share
+    GPUs run gloo, distnorm.launch.default_backend)."""
+    import torch.distributed as dist
+    return t.is_cuda and dist.get_backend() == "gloo"
+
+
+def _send(t: Tensor, dst: int) -> None:
+    import torch.distributed as dist
+    dist.send(t.cpu() if _through_cpu(t) else t, dst=dst)
+
+
+def _recv(t: Tensor, src: int) -> None:
+    import torch.distributed as dist
+    if _through_cpu(t):
+        staged = torch.empty_like(t, device="cpu")
+        dist.recv(staged, src=src)
+        t.copy_(staged)
+    else:
+        dist.recv(t, src=src)

@@ -102,6 +102,17 @@ from distnorm.kernels.tiling import RowTiling
 from distnorm.kernels.sync import cta_barrier, ld_volatile_sys_u32, st_volatile_sys_v4_u32
 
 
+# NOTE [slice batches]
+# Two-shot's phase 1 (a row of every other slice: load from x, store to its owner or to my copy) and
+# phase 3 (a gathered row of every other slice, then its epilogue) visit the N-1 other slices one
+# after another. Issued one slice at a time, each slice's load waits for the previous slice's
+# stores (the compiler cannot tell x from the peer buffers) or epilogue, so a CTA pays N-1 load
+# latencies per row group, NVLink latencies in the pull forms. Slices therefore go in batches: the
+# batch's loads first, then its stores / epilogues, SLICE_BATCH_VECS vectors in flight per thread
+# (a batch is one slice at world 2, which keeps that kernel as it was).
+SLICE_BATCH_VECS = 16
+
+
 class AllReduceAddRMSNormQuant(LamportOneShot):
     """Compile-time: algo, world size, tiling (H), quant, residual/gemma/write_y/write_allreduce.
 
@@ -132,6 +143,8 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
         # signal-pad region: one-shot's / two-shot's barrier, lamport's call state
         self.region_word = region_word(ALGORITHMS[algo].region)
         self.core = NormQuantCore(tiling, quant, gemma, write_y)
+        # NOTE [slice batches]
+        self.slice_batch = 1 if world <= 2 else max(1, SLICE_BATCH_VECS // tiling.vecs_per_thread)
         # NOTE [call descriptor]: words 1-3 of this kernel's descriptor and its signature constant
         # (collectives/signature.py); word 0 is the launch's M
         self.desc = CallDescriptor(0, tiling.hidden, algo, dtype, quant, has_residual, write_y,
@@ -228,6 +241,10 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
             self._sum_slots(rH, rT, base, slot_elems, Int64(slot_row) * Int64(self.t.hidden),
                             self._row_addr(mX, x_row), rank, lane)
             self._finish_row(rH, rR, mAR, mRout, out_row, lane, dtype)
+
+    def _slice_frags(self, rT) -> list:
+        """One register fragment per slice of a batch (NOTE [slice batches]), rT the first."""
+        return [rT] + [self.core.zeros(rT.element_type) for _ in range(self.slice_batch - 1)]
 
     @staticmethod
     def _row_addr(mT, row) -> Int64:
@@ -364,18 +381,25 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
         mine = Int64(0)
         if const_expr(self.pull_scatter):
             mine = mBuf[rank]  # read once: the stores below may alias the table for all it knows
+        frags = self._slice_frags(rT)
         for g in range(bidx, push_groups, nblk):
             i = g * t.rows_per_cta + row_in_cta
-            for s in cutlass.range_constexpr(self.world):
-                row = s * slice_rows + i
-                if (i < slice_rows) & (row < m) & (Int32(s) != rank):
-                    self.core.load_row(rT, cute.zipped_divide(mX[row, None], (VEC,)), lane)
-                    if const_expr(self.pull_scatter):
-                        self.core.store_row(rT, self._row_view(mine, Int64(row) * hidden, dtype),
-                                            lane, dtype)
-                    else:
-                        off = slot_elems * Int64(rank) + Int64(i) * hidden
-                        self.core.store_row(rT, self._row_view(mBuf[s], off, dtype), lane, dtype)
+            for b0 in cutlass.range_constexpr(0, self.world, self.slice_batch):  # NOTE [slice batches]
+                for s in cutlass.range_constexpr(b0, min(self.world, b0 + self.slice_batch)):
+                    row = s * slice_rows + i
+                    if (i < slice_rows) & (row < m) & (Int32(s) != rank):
+                        self.core.load_row(frags[s - b0], cute.zipped_divide(mX[row, None], (VEC,)),
+                                           lane)
+                for s in cutlass.range_constexpr(b0, min(self.world, b0 + self.slice_batch)):
+                    row = s * slice_rows + i
+                    if (i < slice_rows) & (row < m) & (Int32(s) != rank):
+                        if const_expr(self.pull_scatter):
+                            self.core.store_row(frags[s - b0], self._row_view(
+                                mine, Int64(row) * hidden, dtype), lane, dtype)
+                        else:
+                            off = slot_elems * Int64(rank) + Int64(i) * hidden
+                            self.core.store_row(frags[s - b0], self._row_view(mBuf[s], off, dtype),
+                                                lane, dtype)
 
     @cute.jit
     def _reducescatter(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
@@ -488,31 +512,66 @@ class AllReduceAddRMSNormQuant(LamportOneShot):
 
         # phase 3: the other ranks' slices: full rows of gathered h -> residual_out, allreduce_out,
         # epilogue
+        gathered = self._slice_frags(rT)
         for g in range(bidx, self._unless_failed(failed, groups), nblk):
             i = g * t.rows_per_cta + row_in_cta
-            for s in cutlass.range_constexpr(self.world):
-                if Int32(s) != rank:  # uniform over the CTA: the epilogue's barriers stay matched
-                    row = s * slice_rows + i
-                    row_valid = (i < slice_rows) & (row < m)
-                    rH.fill(0.0)
-                    src = base
-                    if const_expr(self.pull_gather):
-                        src = mBuf[s]  # the slice's owner (NOTE [two-shot forms])
-                    if row_valid:
-                        self.core.load_row(rT, self._row_view(src, gather_h + Int64(row) * hidden,
-                                                          dtype), lane)
-                        rH.store(rT.load().to(Float32))
-                        if const_expr(self.has_residual):
-                            self.core.store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane,
-                                            dtype)
-                        if const_expr(self.write_allreduce):
-                            if const_expr(self.gather_acc):
-                                self.core.load_row(rT, self._row_view(
-                                    src, gather_a + Int64(row) * hidden, dtype), lane)
-                            self.core.store_row(rT, cute.zipped_divide(mAR[row, None], (VEC,)), lane,
-                                            dtype)
-                    self.core.epilogue(rH, row, row_valid, (i < slice_rows) & (row < rows), lane,
-                                       row_in_cta, eps, mW, mY, mQ, mS, static_inv,
-                                       global_scale, bufs, rW)
-                    cute.arch.barrier()  # shared-memory partials are reused by the next row
+            for b0 in cutlass.range_constexpr(0, self.world, self.slice_batch):  # NOTE [slice batches]
+                if const_expr(self.slice_batch > 1):  # the batch's loads first
+                    for s in cutlass.range_constexpr(b0, min(self.world, b0 + self.slice_batch)):
+                        row = s * slice_rows + i
+                        if (i < slice_rows) & (row < m) & (Int32(s) != rank):
+                            self.core.load_row(gathered[s - b0], self._row_view(
+                                self._gather_source(base, mBuf, s), gather_h + Int64(row) * hidden,
+                                dtype), lane)
+                for s in cutlass.range_constexpr(b0, min(self.world, b0 + self.slice_batch)):
+                    self._gathered_row(gathered[s - b0], rT, rH, s, i, rank, slice_rows, m, rows,
+                                       base, gather_h, gather_a, mBuf, mAR, mRout, mW, mY, mQ, mS,
+                                       lane, row_in_cta, eps, static_inv, global_scale, bufs, rW,
+                                       dtype)
         self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+
+    @cute.jit
+    def _gather_source(self, base: Int64, mBuf, s: cutlass.Constexpr) -> Int64:
+        """Whose buffer holds slice s's gathered rows: mine, or in the pull forms its owner's
+        (NOTE [two-shot forms])."""
+        src = base
+        if const_expr(self.pull_gather):
+            src = mBuf[s]
+        return src
+
+    @cute.jit
+    def _gathered_row(self, rG, rT, rH, s: cutlass.Constexpr, i: Int32, rank: Int32,
+                      slice_rows: Int32, m: Int32, rows: Int32, base: Int64, gather_h: Int64,
+                      gather_a: Int64, mBuf, mAR, mRout, mW, mY, mQ, mS, lane: Int32,
+                      row_in_cta: Int32, eps: Float32, static_inv, global_scale, bufs, rW,
+                      dtype: cutlass.Constexpr):
+        """Two-shot phase 3 for row i of slice s: its gathered T(h) (in rG when batches loaded it,
+        NOTE [slice batches]; loaded here into rT otherwise) -> residual_out, allreduce_out,
+        epilogue. Nothing for my own slice (uniform over the CTA: the epilogue's barriers stay
+        matched)."""
+        hidden = Int64(self.t.hidden)
+        if Int32(s) != rank:
+            row = s * slice_rows + i
+            row_valid = (i < slice_rows) & (row < m)
+            rH.fill(0.0)
+            src = self._gather_source(base, mBuf, s)
+            if row_valid:
+                if const_expr(self.slice_batch > 1):
+                    rT.store(rG.load())
+                else:
+                    self.core.load_row(rT, self._row_view(src, gather_h + Int64(row) * hidden,
+                                                          dtype), lane)
+                rH.store(rT.load().to(Float32))
+                if const_expr(self.has_residual):
+                    self.core.store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane,
+                                        dtype)
+                if const_expr(self.write_allreduce):
+                    if const_expr(self.gather_acc):
+                        self.core.load_row(rT, self._row_view(src, gather_a + Int64(row) * hidden,
+                                                              dtype), lane)
+                    self.core.store_row(rT, cute.zipped_divide(mAR[row, None], (VEC,)), lane,
+                                        dtype)
+            self.core.epilogue(rH, row, row_valid, (i < slice_rows) & (row < rows), lane,
+                               row_in_cta, eps, mW, mY, mQ, mS, static_inv, global_scale, bufs,
+                               rW)
+            cute.arch.barrier()  # shared-memory partials are reused by the next row

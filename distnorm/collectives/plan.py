@@ -98,7 +98,7 @@ def _default_rows_per_cta() -> dict:
     return {"lamport": 1, "oneshot": 1, "twoshot": 0}
 
 
-# Who moves the rows of a two-shot call over NVLink (NOTE [two-shot forms] in kernels/allreduce.py):
+# Who moves the rows of a two-shot call over NVLink (NOTE [two-shot forms] in kernels/twoshot.py):
 # "push" (remote stores in both exchanges), "pull-gather" (stores, then loads), "pull" (loads in
 # both, after a local copy of x). "push" measured best at world 2 (it is what the tables above
 # measured); worlds 4 and 8 are to be measured (--tuning in benchmarks/bench_allreduce_fusion.py).

@@ -11,7 +11,7 @@ allreduce_add_rmsnorm's for those rows (ordered float32 sum, one rounding of h; 
 invariance), and the gathered q / scales are bitwise allreduce_add_rmsnorm's for all M.
 
 With peer mappings the reduce-scatter is one kernel (algorithm "reducescatter" of
-kernels/allreduce.py: the two-shot push, then the norm-quant epilogue of the own shard); without
+kernels/twoshot.py: the two-shot push, then the norm-quant epilogue of the own shard); without
 them, or when the call does not fit the workspace's buffer, torch.distributed (all_to_all; the
 single-GPU kernel for the epilogue, the reference on CPU). Gathers (gather=True, all_gather,
 all_gather_scales) run over torch.distributed (all_gather) for now; with gather=True on the kernel

@@ -1,5 +1,5 @@
 """The algorithms' forms (distnorm.collectives.plan.ALGORITHM_FORMS: two-shot "push", "pull-gather",
-"pull", NOTE [two-shot forms] in distnorm/kernels/allreduce.py; lamport "poll-all", "poll-unseen",
+"pull", NOTE [two-shot forms] in distnorm/kernels/twoshot.py; lamport "poll-all", "poll-unseen",
 NOTE [lamport polls] in distnorm/kernels/lamport.py): each meets the reference on every element and
 every form of an algorithm gives the same bytes (same float32 operations, other traffic).
 Back-to-back calls that mix the forms with the other algorithms, never synchronized in between,

@@ -35,7 +35,9 @@ FUSED_LAUNCH_FORMS = (("nvfp4s", 4096, 1, True, 4, 1), ("pg128", 32768, 4, True,
                       ("mxfp8s", 16384, 2, True, 2, 1), ("fp8", 8192, 1, False, 2, 1),
                       ("pt", 4096, 1, True, 1, 2))
 # (algo, world, dtype, H, quant, residual, gemma, write_y, write_allreduce[, pdl, rows_per_cta,
-#  form])
+#  form]): every all-reduce algorithm at world 2 / 4 / 8, plain and fused, the formats' scale kinds,
+# fp16 and ragged rows, PDL and rows per CTA, every form. Also what tests/test_allreduce_compile.py
+# compiles with the newest CuTe DSL.
 ALLREDUCE = [
     ("oneshot", 2, "bfloat16", 4096, "fp8", True, False, False, True),
     ("oneshot", 4, "bfloat16", 7168, "nvfp4s", True, False, True, False),
@@ -60,7 +62,13 @@ ALLREDUCE = [
     ("lamport", 4, "float16", 2000, "pt", True, True, True, True, True, 0, "poll-unseen"),
     ("reducescatter", 2, "bfloat16", 4096, "pt", True, False, False, False, True, 0),
     ("reducescatter", 4, "bfloat16", 7168, "nvfp4s", True, False, True, False, True, 0),
+    ("reducescatter", 8, "float16", 2000, "none", False, True, True, False, True, 0),
 ]
+
+
+def allreduce_args(v: tuple) -> tuple:
+    """compiled_allreduce's arguments for an ALLREDUCE entry (its format named by QUANTS key)."""
+    return (*v[:4], QUANTS[v[4]], *v[5:])
 
 
 def kernel_variants() -> list:
@@ -78,10 +86,8 @@ def kernel_variants() -> list:
                          lambda q=QUANTS[qname], a=(H, cluster, pdl, split, slots):
                          compiled_fused_norm("bfloat16", a[0], q, True, False, False, *a[1:])))
     for v in ALLREDUCE:
-        args = list(v)
-        args[4] = QUANTS[v[4]]
         variants.append(("ar_" + "_".join(str(a) for a in (*v[:4], QUANTS[v[4]].kind, *v[5:])),
-                         lambda a=tuple(args): compiled_allreduce(*a)))
+                         lambda a=allreduce_args(v): compiled_allreduce(*a)))
     for world in (2, 4, 8):
         for barrier_only in (False, True):
             variants.append((f"barrier_{world}_{barrier_only}",

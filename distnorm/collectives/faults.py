@@ -66,7 +66,9 @@ def failure(ws) -> Optional[CommError]:
     if code == ERROR_MISMATCH:
         if not diffs and 0 <= detail < DESCRIPTOR_WORDS:
             diffs = [f"{_WORD_FIELDS[detail]} (rank {peer}'s word: {value})"]
-        what = ", ".join(diffs) if diffs else "their call signatures differ"
+        what = ", ".join(diffs) if diffs else (
+            "the same descriptor but another grid: every rank needs the same GPU model and the "
+            "same Tuning (rows_per_cta, max_ctas)")
         return CommMismatchError(
             f"distnorm: {where}: rank {peer} launched the same all-reduce with other arguments "
             f"({what}); every rank must pass the same M, H, dtype, format, outputs and algo. "

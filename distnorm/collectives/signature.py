@@ -11,9 +11,10 @@ the kernels exchange (layout.CALL_W_*), and the 32-bit signature the barrier fla
             column-major << 13 | ue8m0 << 14
 
 Words 1-3 are compile-time constants of a kernel, word 0 is its run-time M. The barrier algorithms
-compare the signature ``(rows * SIGNATURE_MULTIPLIER) ^ constant`` (32-bit) that rides in every
-barrier flag; lamport compares all four words, pushed beside the rows. On a mismatch the host reads
-every rank's last descriptor (layout.CALL_W_LAST) and names the fields that differ.
+compare the signature ``(rows * SIGNATURE_MULTIPLIER) ^ constant`` (32-bit; plus the grid size
+times GRID_MULTIPLIER) that rides in every barrier flag; lamport compares all four words, pushed
+beside the rows. On a mismatch the host reads every rank's last descriptor (layout.CALL_W_LAST) and
+names the fields that differ.
 """
 from __future__ import annotations
 
@@ -23,9 +24,12 @@ from typing import Optional, Sequence
 
 from distnorm.formats import FORMATS, QuantSpec, kernel_spec
 
-__all__ = ["CallDescriptor", "SIGNATURE_MULTIPLIER", "signature"]
+__all__ = ["CallDescriptor", "GRID_MULTIPLIER", "SIGNATURE_MULTIPLIER", "signature"]
 
 SIGNATURE_MULTIPLIER = 0x2545F491  # odd: rows -> rows * K is a bijection mod 2^32
+# The barrier kernels add grid size * GRID_MULTIPLIER (odd) to the signature their flags carry, so
+# ranks that launched other grids mismatch at once (kernels/allreduce.py, _describe_launch).
+GRID_MULTIPLIER = 0x3C6EF35F
 _DTYPES = ("bfloat16", "float16")
 _KINDS = tuple(FORMATS)
 

@@ -52,8 +52,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 # absolute imports: the 4.3.5 DSL preprocessor needs them
 from distnorm.collectives.layout import CALL_W_LAST, DEVICE_ERROR_WORD, region_word
 from distnorm.collectives.plan import ALGORITHM_FORMS, ALGORITHMS
-from distnorm.collectives.signature import (SIGNATURE_MULTIPLIER, CallDescriptor,
-                                            signature_constant)
+from distnorm.collectives.signature import (GRID_MULTIPLIER, SIGNATURE_MULTIPLIER,
+                                            CallDescriptor, signature_constant)
 from distnorm.formats import VEC, QuantSpec
 from distnorm.kernels.lamport import LamportOneShot
 from distnorm.kernels.norm_quant import NormQuantCore
@@ -241,13 +241,18 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
     @cute.jit
     def _describe_launch(self, mSig, rank: Int32, m: Int32) -> Int32:
         """NOTE [call descriptor]: record this launch's descriptor in my signal pad (thread 0 of
-        CTA 0; the host reads it when a call fails) and return its 32-bit signature."""
+        CTA 0; the host reads it when a call fails) and return its 32-bit signature, with the grid
+        size folded in: the barriers pair CTAs by index, so ranks with other grids (another SM
+        count, rows_per_cta or max_ctas) would read rows their peers' same-index CTAs never wrote;
+        they raise a mismatch instead."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        nblk, _, _ = cute.arch.grid_dim()
         if (tidx == 0) & (bidx == 0):
             st_volatile_sys_v4_u32(mSig[rank] + Int64(CALL_W_LAST * 4), m, Int32(self.desc[1]),
                                    Int32(self.desc[2]), Int32(self.desc[3]))
-        return (m * Int32(SIGNATURE_MULTIPLIER)) ^ Int32(self.sig_const)
+        return ((m * Int32(SIGNATURE_MULTIPLIER)) ^ Int32(self.sig_const)) + Int32(nblk) * Int32(
+            GRID_MULTIPLIER)
 
     # ---- the kernel ------------------------------------------------------------------------------
     @cute.kernel

@@ -149,7 +149,7 @@ MISMATCHES = {  # field -> (rank 0's call, rank 1's call)
 
 def _body_mismatch() -> None:
     """Ranks disagree on M / H / format under every algorithm (and on the form of two-shot and
-    lamport): in checked mode both ranks' calls
+    lamport, and on the grid of one-shot and two-shot): in checked mode both ranks' calls
     raise CommMismatchError naming the field (at once), or CommTimeoutError naming it after the
     kernel timeout where the two calls resolve to different kernels, which never meet; reset; then the default (unchecked) contract: the call
     returns, check() after a synchronize raises, the next call raises before launching; reset;
@@ -218,6 +218,33 @@ def _body_mismatch() -> None:
 
         for algo in ("twoshot", "lamport"):
             gathered_check(boot, one_form, algo)
+
+        def one_grid(algo):
+            """Rank 0 launches 2 CTAs, the others as many as fit: the barriers pair CTAs by index,
+            so they must raise at once rather than read rows no same-index CTA wrote."""
+            import dataclasses
+
+            from distnorm.collectives.state import state_of
+            state = state_of(ws)
+            default = state.tuning
+            if ws.rank == 0:
+                state.tuning = dataclasses.replace(default, max_ctas={algo: 2})
+            t0 = time.monotonic()
+            with pytest.raises(CommMismatchError) as e:
+                _call(ws, algo)
+            took = time.monotonic() - t0
+            print(f"\n[fault] rank {ws.rank}: grid differs, {algo}: CommMismatchError after "
+                  f"{took:.3f} s: {str(e.value)[:200]}", flush=True)
+            assert "another grid" in str(e.value) and took < KERNEL_TIMEOUT_S, (took, str(e.value))
+            state.tuning = default
+            boot.barrier()
+            reset(ws)
+            _call(ws, algo)
+            torch.cuda.synchronize()
+            check(ws)
+
+        for algo in ("oneshot", "twoshot"):
+            gathered_check(boot, one_grid, algo)
 
         distnorm.set_value_checks(False)
 

@@ -115,8 +115,8 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS}
 class Tuning:
     """Launch settings that do not change results (benchmarks A/B them). Every rank of a
     workspace must use the same ones: a form differing between ranks raises CommMismatchError (it is
-    in the call descriptor), but rows_per_cta and max_ctas change the grid, which the barriers
-    pair CTA by CTA and nothing checks (as a GPU with another SM count would).
+    in the call descriptor), and so does a grid differing under the barrier algorithms (rows_per_cta,
+    max_ctas, or a GPU with another SM count: the grid size is in the barrier signature).
 
     pdl: programmatic dependent launch (NOTE [programmatic dependent launch] in kernels/allreduce.py).
     rows_per_cta: {algo: rows per CTA}, 0 = choose_tiling's.

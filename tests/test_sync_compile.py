@@ -77,8 +77,11 @@ def test_algorithm_form_tuning(monkeypatch):
     monkeypatch.setenv("DISTNORM_TWOSHOT_FORM", "pull")
     assert Tuning.from_env().twoshot_form == "pull"
     monkeypatch.setenv("DISTNORM_TWOSHOT_FORM", "sideways")
-    with pytest.raises(ValueError, match="twoshot_form must be one of"):
+    with pytest.raises(ValueError, match="DISTNORM_TWOSHOT_FORM='sideways': expected one of push"):
         Tuning.from_env()
+    monkeypatch.setenv("DISTNORM_TWOSHOT_FORM", "pull")
+    with pytest.raises(ValueError, match="twoshot_form must be one of"):
+        Tuning(twoshot_form="sideways")
     pull = Tuning(twoshot_form="pull-gather", lamport_form="poll-unseen")
     for algo, form in (("twoshot", "pull-gather"), ("lamport", "poll-unseen"), ("oneshot", ""),
                        ("reducescatter", "")):  # the last two have one form

@@ -167,14 +167,22 @@ class Tuning:
         return cls(pdl=pdl_from_env(),
                    timeout_s=_seconds("DISTNORM_BARRIER_TIMEOUT_S", cls.timeout_s),
                    host_timeout_s=_seconds("DISTNORM_HOST_TIMEOUT_S", cls.host_timeout_s),
-                   twoshot_form=os.environ.get("DISTNORM_TWOSHOT_FORM", cls.twoshot_form),
-                   lamport_form=os.environ.get("DISTNORM_LAMPORT_FORM", cls.lamport_form))
+                   twoshot_form=_form("DISTNORM_TWOSHOT_FORM", TWOSHOT_FORMS),
+                   lamport_form=_form("DISTNORM_LAMPORT_FORM", LAMPORT_FORMS))
 
 
 def pdl_from_env() -> bool:
     """Programmatic dependent launch for every kernel (all-reduce and single-GPU) unless
     DISTNORM_PDL=0."""
     return os.environ.get("DISTNORM_PDL", "1") != "0"
+
+
+def _form(name: str, forms: tuple) -> str:
+    """The form environment variable `name` chooses (the default, forms[0], when unset)."""
+    value = os.environ.get(name, forms[0])
+    if value not in forms:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(forms)}")
+    return value
 
 
 def _seconds(name: str, default: float) -> float:

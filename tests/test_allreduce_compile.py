@@ -1,8 +1,7 @@
 """The all-reduce kernels (one-shot, two-shot and lamport, world 2/4/8, and the sequence-parallel
-reduce-scatter; several output formats) compile for
-sm_90a from fake tensors, no GPU needed (CuTe DSL 4.8+ with CUTE_DSL_ARCH set; 4.3.5 stops at a
-driver check, so there the test skips and says why). Runs in a subprocess: the DSL reads
-CUTE_DSL_ARCH once.
+reduce-scatter; several output formats and every form) compile for sm_90a and sm_100a from fake
+tensors, no GPU needed (CuTe DSL 4.8+ with CUTE_DSL_ARCH set; 4.3.5 stops at a driver check, so
+there the test skips and says why). Runs in a subprocess: the DSL reads CUTE_DSL_ARCH once.
 """
 from __future__ import annotations
 
@@ -19,8 +18,9 @@ for v in ALLREDUCE:  # the variants the oldest-DSL check compiles too
 """
 
 
-def test_allreduce_kernels_compile_sm90a():
-    compiled = compile_in_subprocess(BODY)  # first: it skips where CuTe DSL is missing
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_allreduce_kernels_compile(arch):
+    compiled = compile_in_subprocess(BODY, arch)  # first: it skips where CuTe DSL is missing
     from ptx_fingerprint import ALLREDUCE
     assert compiled == len(ALLREDUCE)
 

@@ -107,7 +107,8 @@ TWOSHOT_FORMS = ("push", "pull-gather", "pull")
 # slot each pass, "poll-unseen" only the vectors not yet arrived. "poll-all" is what the tables
 # above measured; "poll-unseen" is to be measured.
 LAMPORT_FORMS = ("poll-all", "poll-unseen")
-# Each algorithm's forms (a compile-time choice that keeps the bits), the default first.
+# Each algorithm's forms (a compile-time choice that keeps the bits), the default first; Tuning
+# holds algorithm A's as the field `A_form`, read from DISTNORM_<A>_FORM.
 ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS}
 
 
@@ -139,7 +140,8 @@ class Tuning:
     max_ctas: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name, forms in (("twoshot_form", TWOSHOT_FORMS), ("lamport_form", LAMPORT_FORMS)):
+        for algo, forms in ALGORITHM_FORMS.items():
+            name = f"{algo}_form"
             if getattr(self, name) not in forms:
                 raise ValueError(f"{name} must be one of {forms}, got {getattr(self, name)!r}")
         for name in ("timeout_s", "host_timeout_s"):
@@ -153,7 +155,7 @@ class Tuning:
 
     def form(self, algo: str) -> str:
         """The form of `algo`'s kernel (ALGORITHM_FORMS); "" for an algorithm with one form."""
-        return {"twoshot": self.twoshot_form, "lamport": self.lamport_form}.get(algo, "")
+        return getattr(self, f"{algo}_form") if algo in ALGORITHM_FORMS else ""
 
     @property
     def timeout_ns(self) -> int:
@@ -167,8 +169,8 @@ class Tuning:
         return cls(pdl=pdl_from_env(),
                    timeout_s=_seconds("DISTNORM_BARRIER_TIMEOUT_S", cls.timeout_s),
                    host_timeout_s=_seconds("DISTNORM_HOST_TIMEOUT_S", cls.host_timeout_s),
-                   twoshot_form=_form("DISTNORM_TWOSHOT_FORM", TWOSHOT_FORMS),
-                   lamport_form=_form("DISTNORM_LAMPORT_FORM", LAMPORT_FORMS))
+                   **{f"{algo}_form": _form(f"DISTNORM_{algo.upper()}_FORM", forms)
+                      for algo, forms in ALGORITHM_FORMS.items()})
 
 
 def pdl_from_env() -> bool:

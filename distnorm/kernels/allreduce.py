@@ -157,9 +157,10 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
         With mBuf (the "pull" two-shot), slot s is row `row_elem` of rank s's own buffer."""
         dtype = rT.element_type
         for s in cutlass.range_constexpr(self.world):
-            src = base + (slot_elems * s + row_elem) * Int64(dtype.width // 8)
             if const_expr(mBuf is not None):
                 src = mBuf[s] + row_elem * Int64(dtype.width // 8)
+            else:
+                src = base + (slot_elems * s + row_elem) * Int64(dtype.width // 8)
             if Int32(s) == rank:
                 src = own
             self.core.load_row(rT, self._row_view(src, Int64(0), dtype), lane)

@@ -86,6 +86,14 @@ class TwoShot:
         return [rT] + [self.core.zeros(rT.element_type) for _ in range(self.slice_batch - 1)]
 
     @cute.jit
+    def _other_row(self, s: cutlass.Constexpr, i: Int32, slice_rows: Int32, m: Int32,
+                   rank: Int32):
+        """(row i of slice s, whether it is a row of x and not of my own slice): the rows this
+        rank moves for another slice's owner."""
+        row = s * slice_rows + i
+        return row, (i < slice_rows) & (row < m) & (Int32(s) != rank)
+
+    @cute.jit
     def _push_slices(self, mX, mBuf, rank: Int32, slice_rows: Int32, push_groups: Int32,
                      bidx: Int32, nblk: Int32, row_in_cta: Int32, lane: Int32, rT,
                      dtype: cutlass.Constexpr):
@@ -105,13 +113,13 @@ class TwoShot:
             i = g * t.rows_per_cta + row_in_cta
             for b0 in cutlass.range_constexpr(0, self.world, self.slice_batch):  # NOTE [slice batches]
                 for s in cutlass.range_constexpr(b0, min(self.world, b0 + self.slice_batch)):
-                    row = s * slice_rows + i
-                    if (i < slice_rows) & (row < m) & (Int32(s) != rank):
+                    row, moved = self._other_row(s, i, slice_rows, m, rank)
+                    if moved:
                         self.core.load_row(frags[s - b0], cute.zipped_divide(mX[row, None], (VEC,)),
                                            lane)
                 for s in cutlass.range_constexpr(b0, min(self.world, b0 + self.slice_batch)):
-                    row = s * slice_rows + i
-                    if (i < slice_rows) & (row < m) & (Int32(s) != rank):
+                    row, moved = self._other_row(s, i, slice_rows, m, rank)
+                    if moved:
                         if const_expr(self.pull_scatter):
                             self.core.store_row(frags[s - b0], self._row_view(
                                 mine, Int64(row) * hidden, dtype), lane, dtype)
@@ -237,8 +245,8 @@ class TwoShot:
             for b0 in cutlass.range_constexpr(0, self.world, self.slice_batch):  # NOTE [slice batches]
                 if const_expr(self.slice_batch > 1):  # the batch's loads first
                     for s in cutlass.range_constexpr(b0, min(self.world, b0 + self.slice_batch)):
-                        row = s * slice_rows + i
-                        if (i < slice_rows) & (row < m) & (Int32(s) != rank):
+                        row, moved = self._other_row(s, i, slice_rows, m, rank)
+                        if moved:
                             self.core.load_row(gathered[s - b0], self._row_view(
                                 self._gather_source(base, mBuf, s), gather_h + Int64(row) * hidden,
                                 dtype), lane)

@@ -14,6 +14,16 @@ from cutlass import Float32, Int32, const_expr
 from distnorm.formats import E2M1_MAX, E4M3_MAX, PER_TOKEN_MIN_AMAX, VEC
 from distnorm.kernels import ptx
 
+
+def pairwise(op, vals: list):
+    """op over vals as a balanced tree (trace time): (v0 op v1) op (v2 op v3), ... -- a chain of
+    log2(len) instead of len - 1 dependent operations."""
+    while len(vals) > 1:
+        vals = [op(vals[i], vals[i + 1]) if i + 1 < len(vals) else vals[i]
+                for i in range(0, len(vals), 2)]
+    return vals[0]
+
+
 # NOTE [one scale per lane]: at most this many vectors per scale group. Measured on H200
 # (benchmarks/results/scale_group_ab_h200.md): 2 is never slower than computing every scale on
 # every lane; 4 and 8 gain 1-2% more for per-group FP8 at H = 32768 and lose 7% at 1024 x 4096
@@ -109,12 +119,9 @@ class BlockScales:
     def _block_amax(self, rY, j0: int, group: int, lanes: int, lane: Int32) -> Float32:
         """The amax of the block of vector j0 + lane % group (trace-time loops; lanes <= 32, so a
         block never leaves its warp)."""
-        vals = []
-        for k in range(group):
-            amax = Float32(0.0)
-            for e in range(VEC):
-                amax = ptx.fmax_nan(amax, ptx.fabs(rY[(j0 + k) * VEC + e]))
-            vals.append(amax)
+        # a tree over the vector's 8 values (NOTE [short chains] in norm_quant.py)
+        vals = [pairwise(ptx.fmax_nan, [ptx.fabs(rY[(j0 + k) * VEC + e]) for e in range(VEC)])
+                for k in range(group)]
         o = group // 2
         while o > 0:  # recursive halving: keep the half of the vectors whose bit o is lane's
             upper = lane & o

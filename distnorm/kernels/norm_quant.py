@@ -29,7 +29,7 @@ from cutlass import Float32, Int32, const_expr
 from distnorm.formats import (VEC, QuantSpec, swizzled_offset, swizzled_tile_words,
                               swizzled_word_row)
 from distnorm.kernels import ptx
-from distnorm.kernels.block_scales import BlockScales
+from distnorm.kernels.block_scales import BlockScales, pairwise
 from distnorm.kernels.tiling import RowTiling
 
 # what _e2m1_biased_magnitude returns on top of the magnitude code: its rounded - binade is
@@ -225,6 +225,29 @@ class NormQuantCore(BlockScales):
                        Int32, VEC // 2, part)
 
     # ---- reductions ----------------------------------------------------------------------------
+    # NOTE [short chains]
+    # A thread's sum of squares over its nv vectors was one chain of nv * 8 dependent FMAs (64 at
+    # H = 32768: ~256 cycles of latency on the decode path, where nothing else hides it). Now one
+    # chain per element position e (vector 0's e, then vector 1's e, ...: nv long), and the 8
+    # position sums added pairwise (0+1, 2+3, ..., then those): depth nv + 3. A fixed order of
+    # float32 operations like before, the same in every kernel (NOTE [batch invariance]); the bits
+    # of rstd may differ from the single chain's. A block's amax is a tree over its vector's 8
+    # values (a max is exact in any order: same bits). Measured on H200 (benchmarks/results/
+    # short_chains_ab_h200.md): M = 1 0.03-0.09 us faster, NVFP4 at H = 16384 8-9% and per-group
+    # FP8 3% faster at 1024-4096 rows. Left as chains, because a tree there cost more than it
+    # saved: the per-token amax (split, it kept more of y's registers live: ptxas 64 -> 66 at
+    # H = 8192, one 512-thread CTA per SM instead of 2) and the row's warp partials (a tree made
+    # per-token FP8 at 1024-4096 x 16384 3% slower, for at most ~15 ns at M = 1).
+    def thread_sum_of_squares(self, rH) -> Float32:
+        """This thread's sum of h^2 over its vectors, in the order of NOTE [short chains]."""
+        sums = []
+        for e in range(VEC):
+            acc = rH[e] * rH[e]
+            for j in range(1, self.t.vecs_per_thread):
+                acc = acc + rH[j * VEC + e] * rH[j * VEC + e]
+            sums.append(acc)
+        return pairwise(lambda a, b: a + b, sums)
+
     @cute.jit
     def row_reduce(self, val: Float32, is_max: cutlass.Constexpr, bufs, row_in_cta: Int32,
                    lane: Int32) -> Float32:
@@ -345,10 +368,8 @@ class NormQuantCore(BlockScales):
         if const_expr(rW is None):
             # issued before the reduction so its latency hides behind it (matters at M=1)
             rW = self.load_weight(mW, lane)
-        # sum of squares (tail vectors of a ragged row hold zeros)
-        ss = Float32(0.0)
-        for i in cutlass.range_constexpr(nv * VEC):
-            ss = ss + rH[i] * rH[i]
+        # sum of squares (tail vectors of a ragged row hold zeros): NOTE [short chains]
+        ss = self.thread_sum_of_squares(rH)
         ss = self.row_reduce(ss, False, bufs[0], row_in_cta, lane)
         r = ptx.rsqrt_rn(ptx.div_rn(ss, Float32(t.hidden)) + eps)
         # y = (h * r) * w, kept in registers (reusing rH)
@@ -395,7 +416,7 @@ class NormQuantCore(BlockScales):
                     if row_valid and self._mine(j, part):
                         self._store_q(rY, j, static_inv, tQ, v)
         elif const_expr(q.info.scales == "row"):
-            amax = Float32(0.0)
+            amax = Float32(0.0)  # one chain: NOTE [short chains]
             for i in cutlass.range_constexpr(nv * VEC):
                 amax = ptx.fmax_nan(amax, ptx.fabs(rY[i]))
             amax = self.row_reduce(amax, True, bufs[1], row_in_cta, lane)

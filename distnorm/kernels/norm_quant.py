@@ -237,7 +237,10 @@ class NormQuantCore(BlockScales):
     # FP8 3% faster at 1024-4096 rows. Left as chains, because a tree there cost more than it
     # saved: the per-token amax (split, it kept more of y's registers live: ptxas 64 -> 66 at
     # H = 8192, one 512-thread CTA per SM instead of 2) and the row's warp partials (a tree made
-    # per-token FP8 at 1024-4096 x 16384 3% slower, for at most ~15 ns at M = 1).
+    # per-token FP8 at 1024-4096 x 16384 3% slower, for at most ~15 ns at M = 1). The all-reduce
+    # kernels' register counts moved both ways (ptxas -v, sm_90a, the 22 fingerprinted variants:
+    # 78-214, two spilling variants no longer spill); their grids keep 256 threads per SM whatever
+    # the count (compile_allreduce.co_resident_ctas_per_sm), so occupancy does not change.
     def thread_sum_of_squares(self, rH) -> Float32:
         """This thread's sum of h^2 over its vectors, in the order of NOTE [short chains]."""
         sums = []

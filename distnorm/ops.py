@@ -26,7 +26,7 @@ from .rows import call_on_rows
 FEW_ROWS = 64  # up to this many rows a long row may be spread over a cluster (cluster_for)
 DECODE_ROWS = 48  # up to this many rows the 4-CTA spread pays (measured at 40, not at 64)
 # up to these many rows, rows spread over a cluster are also split (formats with a scale per group:
-# 4 parts up to 8 rows, 2 up to 16; others 2 up to 8): _split_rows
+# 4 parts up to 8 rows, then per-group FP8 2 up to 16; others 2 up to 8): _split_rows
 SPLIT_CLUSTER_ROWS = (8, 16)
 
 
@@ -92,15 +92,21 @@ def _split_rows(H: int, rows: int, spec: Optional[QuantSpec]) -> int:
       M = 1, 2, 4, 8, 16, 48): a split loses from 48 rows in every format (up to 1.6x slower with
       4 parts) and from 16 for bf16 output and row-scaled FP8; the formats with a scale per group
       (per-group FP8, NVFP4, MX) take 4 parts up to 8 rows (per-group FP8 at 1 x 32768 3.74 ->
-      2.55 us, NVFP4 3.53 -> 2.85) and 2 up to 16, the others 2 up to 8 (per-token at 1 x 32768
-      2.91 -> 2.69 with 4; 2 is as fast at 2 rows and faster at 8)."""
+      2.55 us, NVFP4 3.53 -> 2.85), the others 2 up to 8 (per-token at 1 x 32768 2.91 -> 2.69
+      with 4; 2 is as fast at 2 rows and faster at 8). From 9 to 16 rows per-group FP8 takes 2
+      parts; NVFP4 / MX none: re-measured after the cheaper block scales and short chains
+      (benchmarks/results/split_rule_9_16_h200.md, M = 8 / 12 / 16, two rounds), one part is
+      as fast or up to 10% faster for them there (MXFP8 16 x 32768 3.58 -> 3.26 us, NVFP4 4.08
+      -> 3.87) and per-group FP8 is best with 2."""
     if rows > DECODE_ROWS:
         return 1
     if _cluster_size(H, rows, spec) == 1:
         row_scaled_fp8 = spec is not None and spec.info.scales in ("static", "row")
         return 2 if row_scaled_fp8 else 4
     if spec is not None and spec.grouped:
-        return 4 if rows <= SPLIT_CLUSTER_ROWS[0] else 2 if rows <= SPLIT_CLUSTER_ROWS[1] else 1
+        if rows <= SPLIT_CLUSTER_ROWS[0]:
+            return 4
+        return 2 if rows <= SPLIT_CLUSTER_ROWS[1] and not spec.block_scaled else 1
     return 2 if rows <= SPLIT_CLUSTER_ROWS[0] else 1
 
 

@@ -124,8 +124,9 @@ def test_split_rows_never_when_an_output_starts_at_an_input():
     assert fused_kernel_key(torch.bfloat16, 4096, spec, True, False, True, 4099)[-1] == 1
     # rows spread over a cluster are split too, fewer parts as rows grow (ops._split_rows)
     long_rows = [fused_kernel_key(torch.bfloat16, 32768, s, True, False, True, M)[-1]
-                 for s in (spec, make_quant_spec("fp8_per_token")) for M in (1, 8, 9, 16, 17, 48)]
-    assert long_rows == [4, 4, 2, 2, 1, 1, 2, 2, 1, 1, 1, 1]
+                 for s in (spec, make_quant_spec("fp8_per_group"), make_quant_spec("fp8_per_token"))
+                 for M in (1, 8, 9, 16, 17, 48)]
+    assert long_rows == [4, 4, 1, 1, 1, 1, 4, 4, 2, 2, 1, 1, 2, 2, 1, 1, 1, 1]
 
 
 def test_in_place_calls_compile_only_the_kernel_they_launch(monkeypatch):

@@ -220,7 +220,7 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
                 for M, _ in BATCHES + ((60, 17),)]
     if test == "test_split_rows_store_one_ctas_bits":
         spec = formats.kernel_spec(variant_spec(params["variant"]))
-        return [("fused_norm", "float16", SPLIT_HIDDEN, spec, True, False, True, params["cluster"],
+        return [("fused_norm", "float16", params["H"], spec, True, False, True, params["cluster"],
                  True, s) for s in (1, params["split"])]
     if test == "test_slots_sum_in_rank_order":
         v, d, slots, M, H = (params[k] for k in ("variant", "dtype", "slots", "M", "H"))
@@ -233,20 +233,26 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     return []
 
 
-SPLIT_HIDDEN = 32768
+
+# (variant, cluster, split, H): H = 32768 has 8 vectors per thread; 768 has 3 (a split of 4
+# leaves part 3 none: NOTE [compact parts]); 2880 a ragged tail (360 vectors on 96 threads)
+SPLIT_CASES = [("none", 1, 4, 32768), ("none", 4, 4, 32768), ("nvfp4_swizzled", 4, 4, 32768),
+               ("fp8_g128", 4, 2, 32768), ("fp8_per_token", 1, 2, 32768),
+               ("nvfp4_swizzled", 1, 4, 768), ("fp8_per_token", 1, 4, 768), ("fp8", 1, 2, 768),
+               ("mxfp8_swizzled", 1, 4, 2880), ("fp8_g128", 1, 4, 2880)]
 
 
-@pytest.mark.parametrize("variant, cluster, split", [("none", 1, 4), ("none", 4, 4),
-                                                     ("nvfp4_swizzled", 4, 4), ("fp8_g128", 4, 2)])
-def test_split_rows_store_one_ctas_bits(variant, cluster, split):
+@pytest.mark.parametrize("variant, cluster, split, H", SPLIT_CASES)
+def test_split_rows_store_one_ctas_bits(variant, cluster, split, H):
     """Rows split over `split` CTAs (clusters of `cluster` CTAs) store every output bit the
-    unsplit kernel stores (NOTE [split rows] in kernels/fused_norm.py), whatever ops' rule picks:
-    fp16 at H = 32768, 8 vectors per thread, where a miscompile once made part 1 store vector
-    column 0's residual in column 1. 3 rows, so parts of several rows run side by side."""
+    unsplit kernel stores (NOTE [split rows] in kernels/fused_norm.py, NOTE [compact parts] in
+    kernels/norm_quant.py), whatever ops' rule picks: fp16, where at H = 32768 a miscompile once
+    made part 1 store vector column 0's residual in column 1. 3 rows, so parts of several rows run
+    side by side."""
     from distnorm.args import allocate_outputs
     from distnorm.kernels.compile import compiled_fused_norm
 
-    M, H = 3, SPLIT_HIDDEN
+    M = 3
     spec = variant_spec(variant)
     x, res, w = make_inputs(M, H, torch.float16, 5)
     kw = quant_kwargs(*VARIANTS[variant], device="cuda")

@@ -56,6 +56,7 @@ class NormQuantCore(BlockScales):
         self.gemma = gemma
         self.write_y = write_y
         # NOTE [split rows]: `split` CTAs per row, part p storing vectors j % split == p
+        assert split & (split - 1) == 0, "compact_part selects on the part's bits"
         self.split = split
         if quant.grouped:
             lanes = quant.group_size // VEC
@@ -104,9 +105,10 @@ class NormQuantCore(BlockScales):
                                             Int32(t.rows_per_cta * t.row_warps * 4))
             ptx.fence_mbarrier_init_cluster()
 
-    def zeros(self, dtype):
-        """A zero-filled register fragment holding this thread's vectors of one row."""
-        frag = cute.make_rmem_tensor(cute.make_layout(self.t.vecs_per_thread * VEC), dtype)
+    def zeros(self, dtype, vecs: int = 0):
+        """A zero-filled register fragment holding this thread's vectors of one row (or `vecs`
+        vectors)."""
+        frag = cute.make_rmem_tensor(cute.make_layout((vecs or self.t.vecs_per_thread) * VEC), dtype)
         frag.fill(0.0)
         return frag
 
@@ -124,34 +126,85 @@ class NormQuantCore(BlockScales):
     # ---- row loads and stores ------------------------------------------------------------------
     @cute.jit
     def _copy_row(self, frag, tRow, lane: Int32, store: cutlass.Constexpr, dtype,
-                  width: cutlass.Constexpr = VEC, part=None):
+                  width: cutlass.Constexpr = VEC, part=None, cols=None):
         """Between a register fragment and row thread `lane`'s vectors of the row tRow (tiled in
         vectors of `width` elements: 8 values, or 4 packed words): store -> tRow <- frag converted
-        to dtype, else frag <- tRow. With `part`, only that part's vectors (NOTE [split rows])."""
+        to dtype, else frag <- tRow. With `part`, only that part's vectors (NOTE [split rows]).
+        cols: the vector columns j of the fragment's vectors (part_columns; default all)."""
         t = self.t
-        for j in cutlass.range_constexpr(t.vecs_per_thread):
-            v = lane + j * t.row_threads
-            if const_expr(t.exact) or v < t.vecs:
-                if self._mine(j, part):
+        if const_expr(cols is None):
+            cols = list(range(t.vecs_per_thread))
+        for k in cutlass.range_constexpr(len(cols)):
+            v = lane + cols[k] * t.row_threads
+            if const_expr(self._columns_exact(cols)) or v < t.vecs:
+                if self._mine(cols[k], part):
                     if const_expr(store):
-                        tRow[(None, v)].store(self._slice(frag, j, width).load().to(dtype))
+                        tRow[(None, v)].store(self._slice(frag, k, width).load().to(dtype))
                     else:
-                        self._slice(frag, j, width).store(tRow[(None, v)].load())
+                        self._slice(frag, k, width).store(tRow[(None, v)].load())
 
-    def _mine(self, j: int, part):
+    def _mine(self, j, part):
         """Whether vector j is stored by part `part` (NOTE [split rows]): a Python True, folded
-        away, without a split."""
-        if part is None or self.split == 1:
+        away, without a split or for a run-time column of part_columns (the part's own)."""
+        if part is None or self.split == 1 or not isinstance(j, int):
             return True
         return part == j % self.split
+
+    # NOTE [compact parts]
+    # A split part (NOTE [split rows] in fused_norm.py) stores the vectors j % split == part, a
+    # run-time value. Guarding each vector's y and quantizer code by that test kept all nv copies
+    # in the kernel, each behind a branch, of which a part runs nv / split. After the sum of squares
+    # (which needs every vector) a part now moves its own vectors into a fragment of
+    # ceil(nv / split) vectors by selects on the part's bits (compact_part), loads only its own
+    # weights, and y and the quantizer run on that: code for nv / split vectors, no branches.
+    # Column k of the compact fragment is vector j = k * split + part (part_columns); past nv (a
+    # ragged nv) it holds any value and is never stored. Per-token scales need every y for the
+    # row amax: they compact y after it. SASS instructions (sm_90a, ptxas; registers): NVFP4 at
+    # H = 4096, 4 parts 1152 -> 736 (64 -> 50), per-group FP8 at H = 32768, cluster 4, 4 parts
+    # 1480 -> 856 (116 -> 92), MXFP8 at H = 16384, cluster 2, 2 parts 912 -> 776, static FP8 at
+    # H = 8192, 2 parts 584 -> 520. Kernels without a split are unchanged (the same PTX).
+    def part_columns(self, part) -> list:
+        """The vector columns j this thread makes y and q of, in order: all nv (Python ints)
+        without a split, else k * split + part (run-time) for k < ceil(nv / split)."""
+        nv = self.t.vecs_per_thread
+        if part is None or self.split == 1:
+            return list(range(nv))
+        return [k * self.split + part for k in range(-(-nv // self.split))]
+
+    def _columns_exact(self, cols: list) -> bool:
+        """Whether every column of `cols` is a vector inside the row (no predicate needed)."""
+        if all(isinstance(j, int) for j in cols):
+            return self.t.exact
+        return self.t.exact and len(cols) * self.split == self.t.vecs_per_thread
+
+    def compact_part(self, frag, part):
+        """frag (float32, this thread's nv vectors) -> a float32 fragment of part_columns(part)'s
+        vectors (NOTE [compact parts]); frag itself without a split."""
+        nv = self.t.vecs_per_thread
+        if part is None or self.split == 1:
+            return frag
+        s = self.split
+        cols = -(-nv // s)
+        out = cute.make_rmem_tensor(cute.make_layout(cols * VEC), Float32)
+        for k in range(cols):
+            for e in range(VEC):
+                # the candidates for parts 0 .. s-1, narrowed by part's bits from the lowest up
+                cands = [frag[min(k * s + p, nv - 1) * VEC + e] for p in range(s)]
+                bit = 1
+                while len(cands) > 1:
+                    cands = [ptx.select_f32(part & bit, cands[i + 1], cands[i])
+                             for i in range(0, len(cands), 2)]
+                    bit *= 2
+                out[k * VEC + e] = cands[0]
+        return out
 
     def load_row(self, dst, tSrc, lane: Int32):
         """dst (register fragment) <- row thread `lane`'s vectors of the row tSrc."""
         self._copy_row(dst, tSrc, lane, False, None)
 
-    def store_row(self, src, tDst, lane: Int32, dtype, part=None):
+    def store_row(self, src, tDst, lane: Int32, dtype, part=None, cols=None):
         """Row thread `lane`'s vectors of the row tDst <- src (register fragment) as dtype."""
-        self._copy_row(src, tDst, lane, True, dtype, VEC, part)
+        self._copy_row(src, tDst, lane, True, dtype, VEC, part, cols)
 
     @cute.jit
     def add_packed(self, rA, rB):
@@ -345,10 +398,13 @@ class NormQuantCore(BlockScales):
 
     # ---- the epilogue --------------------------------------------------------------------------
     @cute.jit
-    def load_weight(self, mW, lane: Int32):
-        """Row thread `lane`'s vectors of the weight [H] as a register fragment of its dtype."""
-        rW = self.zeros(mW.element_type)
-        self.load_row(rW, cute.zipped_divide(mW, (VEC,)), lane)
+    def load_weight(self, mW, lane: Int32, cols=None):
+        """Row thread `lane`'s vectors of the weight [H] (those of `cols`, part_columns: default
+        all) as a register fragment of its dtype."""
+        if const_expr(cols is None):
+            cols = list(range(self.t.vecs_per_thread))
+        rW = self.zeros(mW.element_type, len(cols))
+        self._copy_row(rW, cute.zipped_divide(mW, (VEC,)), lane, False, None, VEC, None, cols)
         return rW
 
     @cute.jit
@@ -367,44 +423,46 @@ class NormQuantCore(BlockScales):
         part: this CTA's part of a split row (NOTE [split rows]); None: it stores everything.
         """
         t = self.t
-        nv = t.vecs_per_thread
+        # a split part makes only its own vectors' y (NOTE [compact parts]), but every y when the
+        # row amax needs it (compacted after the amax)
+        y_part = None if self.q.info.scales == "row" else part
+        cols = self.part_columns(y_part)
         if const_expr(rW is None):
             # issued before the reduction so its latency hides behind it (matters at M=1)
-            rW = self.load_weight(mW, lane)
+            rW = self.load_weight(mW, lane, cols)
         # sum of squares (tail vectors of a ragged row hold zeros): NOTE [short chains]
         ss = self.thread_sum_of_squares(rH)
         ss = self.row_reduce(ss, False, bufs[0], row_in_cta, lane)
         r = ptx.rsqrt_rn(ptx.div_rn(ss, Float32(t.hidden)) + eps)
-        # y = (h * r) * w, kept in registers (reusing rH)
+        # y = (h * r) * w, kept in registers (reusing rH, or the part's compact fragment)
+        rY = self.compact_part(rH, y_part)
         w = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
-        # a split part makes only its own vectors' y, but every y when the row amax needs it
-        y_part = None if self.q.info.scales == "row" else part
-        for j in cutlass.range_constexpr(nv):
-            if self._mine(j, y_part):
-                self.widen(w, self._slice(rW, j))
-                for e in cutlass.range_constexpr(VEC):
-                    wf = w[e]
-                    if const_expr(self.gemma):
-                        wf = Float32(1.0) + wf
-                    rH[j * VEC + e] = (rH[j * VEC + e] * r) * wf
+        for k in cutlass.range_constexpr(len(cols)):
+            self.widen(w, self._slice(rW, k))
+            for e in cutlass.range_constexpr(VEC):
+                wf = w[e]
+                if const_expr(self.gemma):
+                    wf = Float32(1.0) + wf
+                rY[k * VEC + e] = (rY[k * VEC + e] * r) * wf
         if const_expr(self.write_y):
             if row_valid:
-                self.store_row(rH, cute.zipped_divide(mY[row, None], (VEC,)), lane, mY.element_type,
-                               part)
+                self.store_row(rY, cute.zipped_divide(mY[row, None], (VEC,)), lane, mY.element_type,
+                               part, cols)
         if const_expr(self.q.info.scales != "none"):
-            self._quantize(rH, row, row_valid, scale_valid, lane, row_in_cta, mQ, mS, static_inv,
-                           global_scale, bufs, part)
+            self._quantize(rY, cols, row, row_valid, scale_valid, lane, row_in_cta, mQ, mS,
+                           static_inv, global_scale, bufs, part)
 
     def _slice(self, rH, j: int, width: int = VEC):
         """The register view of vector j (`width` elements: 8 values, or 4 packed words)."""
         return cute.make_tensor(rH.iterator + j * width, cute.make_layout(width))
 
     @cute.jit
-    def _quantize(self, rY, row: Int32, row_valid, scale_valid, lane: Int32, row_in_cta: Int32,
-                  mQ, mS, static_inv: Float32, global_scale: Float32, bufs, part=None):
+    def _quantize(self, rY, cols: list, row: Int32, row_valid, scale_valid, lane: Int32,
+                  row_in_cta: Int32, mQ, mS, static_inv: Float32, global_scale: Float32, bufs,
+                  part=None):
+        """q and scales of the y vectors rY of columns `cols` (part_columns)."""
         t = self.t
         q = self.q
-        nv = t.vecs_per_thread
         # the row as int32 words (4 fp8 codes or 8 fp4 codes each; the host passes q unviewed)
         tQ = cute.recast_tensor(mQ[row, None], Int32)
         if const_expr(not q.packed_fp4):
@@ -413,24 +471,26 @@ class NormQuantCore(BlockScales):
         if const_expr(q.kind == "nvfp4"):
             rcp_gs = ptx.rcp_rn(global_scale)  # once per row, not per block
         if const_expr(q.info.scales == "static"):
-            for j in cutlass.range_constexpr(nv):
-                v = lane + j * t.row_threads
-                if const_expr(t.exact) or v < t.vecs:
-                    if row_valid and self._mine(j, part):
-                        self._store_q(rY, j, static_inv, tQ, v)
+            for k in cutlass.range_constexpr(len(cols)):
+                v = lane + cols[k] * t.row_threads
+                if const_expr(self._columns_exact(cols)) or v < t.vecs:
+                    if row_valid:
+                        self._store_q(rY, k, static_inv, tQ, v)
         elif const_expr(q.info.scales == "row"):
             amax = Float32(0.0)  # one chain: NOTE [short chains]
-            for i in cutlass.range_constexpr(nv * VEC):
+            for i in cutlass.range_constexpr(len(cols) * VEC):
                 amax = ptx.fmax_nan(amax, ptx.fabs(rY[i]))
             amax = self.row_reduce(amax, True, bufs[1], row_in_cta, lane)
             stored, inv = self._block_scale(amax, global_scale, rcp_gs)
             if lane == 0 and row_valid and self._mine(0, part):
                 self._store_scale(mS, row, Int32(0), stored)
-            for j in cutlass.range_constexpr(nv):
-                v = lane + j * t.row_threads
-                if const_expr(t.exact) or v < t.vecs:
-                    if row_valid and self._mine(j, part):
-                        self._store_q(rY, j, inv, tQ, v)
+            rYp = self.compact_part(rY, part)  # every y made the amax; q only the part's
+            cols_p = self.part_columns(part)
+            for k in cutlass.range_constexpr(len(cols_p)):
+                vp = lane + cols_p[k] * t.row_threads
+                if const_expr(self._columns_exact(cols_p)) or vp < t.vecs:
+                    if row_valid:
+                        self._store_q(rYp, k, inv, tQ, vp)
         else:  # blocked formats: a block is `lanes` consecutive lanes of one vector column j
             lanes = q.group_size // VEC
             group = self._scale_group(lanes, part)
@@ -441,29 +501,25 @@ class NormQuantCore(BlockScales):
             offset0 = None
             if const_expr(q.swizzled and runs_per_column > 0):
                 offset0 = swizzled_offset(row, lane // lanes, t.hidden // q.group_size)
-            for g in cutlass.range_constexpr(nv // group):
-                j0 = g * group
-                amax = Float32(0.0)  # defined before a run-time `if` (split rows), as CuTe DSL wants
-                stored = Float32(0.0)
-                inv = Float32(0.0)
-                if self._mine(j0, part):  # uniform over the CTA: the shuffles stay matched
-                    # NOTE [one scale per lane] in block_scales.py
-                    amax = self._block_amax(rY, j0, group, lanes, lane)
-                    stored, inv = self._block_scale(amax, global_scale, rcp_gs)
-                    for k in cutlass.range_constexpr(group):
-                        # names unused elsewhere in this function: CuTe DSL types a name per function
-                        j = j0 + k
-                        vk = lane + j * t.row_threads
-                        inv_k = self._lane_value(inv, k, group, lane)
-                        if const_expr(t.exact) or vk < t.vecs:
-                            blk = vk // lanes
-                            if lane % lanes == k and scale_valid:
-                                offset = None
-                                if const_expr(offset0 is not None):
-                                    offset = offset0 + j * runs_per_column * 512
-                                self._store_scale(mS, row, blk, stored, offset)
-                            if row_valid:
-                                self._store_q(rY, j, inv_k, tQ, vk)
+            for g in cutlass.range_constexpr(len(cols) // group):
+                k0 = g * group
+                # NOTE [one scale per lane] in block_scales.py
+                amax = self._block_amax(rY, k0, group, lanes, lane)
+                stored, inv = self._block_scale(amax, global_scale, rcp_gs)
+                for i in cutlass.range_constexpr(group):
+                    # names unused elsewhere in this function: CuTe DSL types a name per function
+                    kb = k0 + i
+                    vk = lane + cols[kb] * t.row_threads
+                    inv_k = self._lane_value(inv, i, group, lane)
+                    if const_expr(self._columns_exact(cols)) or vk < t.vecs:
+                        blk = vk // lanes
+                        if lane % lanes == i and scale_valid:
+                            offset = None
+                            if const_expr(offset0 is not None):
+                                offset = offset0 + cols[kb] * runs_per_column * 512
+                            self._store_scale(mS, row, blk, stored, offset)
+                        if row_valid:
+                            self._store_q(rY, kb, inv_k, tQ, vk)
             if const_expr(q.swizzled):
                 if lane == 0 and scale_valid and self._mine(0, part):
                     self._zero_padding_columns(mS, row)

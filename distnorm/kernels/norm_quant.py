@@ -159,7 +159,7 @@ class NormQuantCore(BlockScales):
     # weights, and y and the quantizer run on that: code for nv / split vectors, no branches.
     # Column k of the compact fragment is vector j = k * split + part (part_columns); past nv (a
     # ragged nv) it holds any value and is never stored. Per-token scales need every y for the
-    # row amax: they compact y after it. SASS instructions (sm_90a, ptxas; registers): NVFP4 at
+    # row amax and keep the branches. SASS instructions (sm_90a, ptxas; registers): NVFP4 at
     # H = 4096, 4 parts 1152 -> 736 (64 -> 50), per-group FP8 at H = 32768, cluster 4, 4 parts
     # 1480 -> 856 (116 -> 92), MXFP8 at H = 16384, cluster 2, 2 parts 912 -> 776, static FP8 at
     # H = 8192, 2 parts 584 -> 520. Kernels without a split are unchanged (the same PTX).
@@ -484,13 +484,13 @@ class NormQuantCore(BlockScales):
             stored, inv = self._block_scale(amax, global_scale, rcp_gs)
             if lane == 0 and row_valid and self._mine(0, part):
                 self._store_scale(mS, row, Int32(0), stored)
-            rYp = self.compact_part(rY, part)  # every y made the amax; q only the part's
-            cols_p = self.part_columns(part)
-            for k in cutlass.range_constexpr(len(cols_p)):
-                vp = lane + cols_p[k] * t.row_threads
-                if const_expr(self._columns_exact(cols_p)) or vp < t.vecs:
-                    if row_valid:
-                        self._store_q(rYp, k, inv, tQ, vp)
+            # every y made the amax (cols: all of them); a split part stores its own behind a
+            # branch each: compacting them too was 0-2% slower here (NOTE [compact parts])
+            for k in cutlass.range_constexpr(len(cols)):
+                vr = lane + cols[k] * t.row_threads
+                if const_expr(self._columns_exact(cols)) or vr < t.vecs:
+                    if row_valid and self._mine(cols[k], part):
+                        self._store_q(rY, k, inv, tQ, vr)
         else:  # blocked formats: a block is `lanes` consecutive lanes of one vector column j
             lanes = q.group_size // VEC
             group = self._scale_group(lanes, part)

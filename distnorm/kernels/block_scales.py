@@ -103,17 +103,15 @@ class BlockScales:
     # reduced and scattered over the lanes by recursive halving, then reduced over the lanes
     # holding the same vector), and reads the other vectors' multipliers from the lanes that
     # computed them. The same max and the same scale arithmetic on the same values: the bits do not
-    # change. Split rows keep one vector at a time (group 1): a part skips the vectors it does
-    # not store (NOTE [split rows] in fused_norm.py).
-    def _scale_group(self, lanes: int, part) -> int:
+    # change. A split part shares the scales of its compact columns the same way (NOTE [compact
+    # parts] in norm_quant.py).
+    def _scale_group(self, lanes: int, columns: int) -> int:
         """Vectors whose block scales a block's lanes compute one each (NOTE [one scale per
-        lane]): the largest power of two <= min(lanes, MAX_SCALE_GROUP) dividing vecs_per_thread;
-        1 with split rows."""
+        lane]): the largest power of two <= min(lanes, MAX_SCALE_GROUP) dividing `columns`, the
+        thread's vectors (a split part's compact columns: NOTE [compact parts] in norm_quant.py)."""
         group = 1
-        if part is None or self.split == 1:
-            while (group * 2 <= min(lanes, MAX_SCALE_GROUP)
-                   and self.t.vecs_per_thread % (group * 2) == 0):
-                group *= 2
+        while group * 2 <= min(lanes, MAX_SCALE_GROUP) and columns % (group * 2) == 0:
+            group *= 2
         return group
 
     def _block_amax(self, rY, j0: int, group: int, lanes: int, lane: Int32) -> Float32:

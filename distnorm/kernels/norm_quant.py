@@ -493,7 +493,7 @@ class NormQuantCore(BlockScales):
                         self._store_q(rY, k, inv, tQ, vr)
         else:  # blocked formats: a block is `lanes` consecutive lanes of one vector column j
             lanes = q.group_size // VEC
-            group = self._scale_group(lanes, part)
+            group = self._scale_group(lanes, len(cols))
             # swizzled: when a vector column's blocks fill whole 4-block runs, vector j's scale sits
             # a fixed distance from vector 0's (swizzled_offset is linear in blk >> 2 and keeps
             # blk & 3), so the offset is computed once per row, not once per vector

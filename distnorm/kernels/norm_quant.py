@@ -159,10 +159,11 @@ class NormQuantCore(BlockScales):
     # weights, and y and the quantizer run on that: code for nv / split vectors, no branches.
     # Column k of the compact fragment is vector j = k * split + part (part_columns); past nv (a
     # ragged nv) it holds any value and is never stored. Per-token scales need every y for the
-    # row amax and keep the branches. SASS instructions (sm_90a, ptxas; registers): NVFP4 at
-    # H = 4096, 4 parts 1152 -> 736 (64 -> 50), per-group FP8 at H = 32768, cluster 4, 4 parts
-    # 1480 -> 856 (116 -> 92), MXFP8 at H = 16384, cluster 2, 2 parts 912 -> 776, static FP8 at
-    # H = 8192, 2 parts 584 -> 520. Kernels without a split are unchanged (the same PTX).
+    # row amax and keep the branches. SASS instructions (sm_90a; registers): NVFP4 at H = 4096,
+    # 4 parts 1152 -> 736 (64 -> 50), per-group FP8 at H = 32768, cluster 4, 4 parts 1480 -> 840
+    # (116 -> 91). Measured on H200 (benchmarks/results/compact_parts_ab_h200.md, M = 1-48): split
+    # calls up to 13% faster (MXFP4 1 x 32768 2.23 -> 1.93 us, per-group FP8 2.28 -> 2.00), NVFP4
+    # at 1 x 32768 +2.7%. Kernels without a split are unchanged (the same PTX).
     def part_columns(self, part) -> list:
         """The vector columns j this thread makes y and q of, in order: all nv (Python ints)
         without a split, else k * split + part (run-time) for k < ceil(nv / split)."""

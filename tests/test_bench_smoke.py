@@ -84,3 +84,40 @@ def test_allreduce_benchmark_tuning_reaches_the_workspace(monkeypatch):
     bench.apply_tuning(ws, {})
     t = ws.states["allreduce"].tuning
     assert (t.twoshot_form, t.lamport_form, t.ctas("twoshot", 132)) == ("push", "poll-all", 132)
+
+
+FAKE_BENCH = '''import json, os, sys
+a = sys.argv
+out = a[a.index("--out") + 1]
+us = float(open(os.path.join(os.getcwd(), "US")).read())  # the tree's own number: run from its checkout
+row = dict(variant="nvfp4", M=1, H=4096, us=us, args=a[1:], cache=os.environ["DISTNORM_KERNEL_CACHE"])
+json.dump(dict(meta={}, rows=[row]), open(out + ".json", "w"))
+'''
+
+
+def test_ab_trees_alternates_the_trees_and_merges_their_rounds(tmp_path):
+    """benchmarks/ab_trees.py: each tree's bench runs from its own checkout with its own kernel
+    cache, the arguments after -- reach it, the rounds are merged per point, and a bad --tree is a
+    one-line error."""
+    import json
+    import subprocess
+
+    for name, us in (("kc_base", "2.0"), ("kc_new", "1.5")):
+        (tmp_path / name / "benchmarks").mkdir(parents=True)
+        (tmp_path / name / "benchmarks" / "bench_single_gpu.py").write_text(FAKE_BENCH)
+        (tmp_path / name / "US").write_text(us)
+    out = tmp_path / "ab"
+    cmd = [sys.executable, os.path.join(BENCHMARKS, "ab_trees.py"), "--tree",
+           f"base={tmp_path / 'kc_base'}", "--tree", f"new={tmp_path / 'kc_new'}", "--rounds", "2",
+           "--out", str(out), "--", "--no-compile", "--Ms", "1"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+    rows = json.loads((tmp_path / "ab.json").read_text())["rows"]
+    assert rows == [dict(variant="nvfp4", M=1, H=4096, base_us=[2.0, 2.0], new_us=[1.5, 1.5])]
+    assert "| nvfp4 | 1 | 4096 | 2.00 / 2.00 | 1.50 / 1.50 | -25.0% |" in (tmp_path / "ab.md").read_text()
+    runs = {t: json.loads((tmp_path / "ab_runs" / f"{t}_r2.json").read_text())["rows"][0]
+            for t in ("base", "new")}
+    assert runs["new"]["args"][:3] == ["--no-compile", "--Ms", "1"] and "--note" in runs["new"]["args"]
+    assert runs["base"]["cache"] != runs["new"]["cache"]
+    bad = subprocess.run(cmd[:3] + [f"base={tmp_path}"] + cmd[4:], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "no benchmarks/bench_single_gpu.py" in bad.stderr

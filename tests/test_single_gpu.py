@@ -239,7 +239,8 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
 SPLIT_CASES = [("none", 1, 4, 32768), ("none", 4, 4, 32768), ("nvfp4_swizzled", 4, 4, 32768),
                ("fp8_g128", 4, 2, 32768), ("fp8_per_token", 1, 2, 32768),
                ("nvfp4_swizzled", 1, 4, 768), ("fp8_per_token", 1, 4, 768), ("fp8", 1, 2, 768),
-               ("fp8_g128", 1, 4, 768), ("mxfp8_swizzled", 1, 4, 2880), ("nvfp4_swizzled", 1, 2, 2880)]
+               ("fp8_g128", 1, 4, 768), ("mxfp8_swizzled", 1, 4, 2880),
+               ("nvfp4_swizzled", 1, 2, 2880)]
 
 
 @pytest.mark.parametrize("variant, cluster, split, H", SPLIT_CASES)

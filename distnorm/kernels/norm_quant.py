@@ -108,7 +108,8 @@ class NormQuantCore(BlockScales):
     def zeros(self, dtype, vecs: int = 0):
         """A zero-filled register fragment holding this thread's vectors of one row (or `vecs`
         vectors)."""
-        frag = cute.make_rmem_tensor(cute.make_layout((vecs or self.t.vecs_per_thread) * VEC), dtype)
+        vecs = vecs or self.t.vecs_per_thread
+        frag = cute.make_rmem_tensor(cute.make_layout(vecs * VEC), dtype)
         frag.fill(0.0)
         return frag
 

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Every multi-GPU check and table of this project on N GPUs of one host, cut into steps that each
+# fit a 10-minute device call (the lent machines' limit), so a session that gets 2 / 4 / 8 GPUs for
+# half an hour spends it measuring. Logs and tables go under $OUT (default ./multi_gpu_out).
+#
+#   STEP=tests-torchrun N=2 bash benchmarks/multi_gpu_plan.sh     # one step
+#   STEP=list bash benchmarks/multi_gpu_plan.sh                   # the steps
+#
+# Steps (what each checks; the results file it writes, for benchmarks/README.md and docs/TESTING.md):
+#   tests-torchrun  torchrun --nproc-per-node N -m pytest tests (the whole suite, every rank)
+#   tests-mpirun    mpirun -np N python -m pytest tests
+#   tests-plain     python -m pytest tests (self-spawns the multi-GPU tests), then python -m distnorm
+#   faults          tests/multigpu/test_faults_gpu.py -s: when each fault's error arrives
+#   allreduce       bench_allreduce_fusion.py: fused all-reduce vs NCCL / symm-mem / unfused / FlashInfer
+#   seqpar          bench_seqpar.py: reduce-scatter + norm + quant + gather vs all-reduce and the chain
+#   fallback        bench_fallback.py --buffer-mib 256: the path without peer memory vs NCCL + fused op
+#   tp-layer        bench_tp_layer.py, bf16 and --fp8: the TP decoder layer in its five forms
+set -uo pipefail
+N=${N:-2}
+OUT=${OUT:-multi_gpu_out}
+STEP=${STEP:-list}
+mkdir -p "$OUT"
+tag="h200_x$N"
+run() {  # run NAME CMD...: the command's output in $OUT/NAME.log, its time and status printed
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc $rc, $((SECONDS - t0)) s ($*)"
+  grep -E "passed|failed|skipped|error" "$OUT/$name.log" | tail -n "$((N + 1))"
+  return $rc
+}
+case $STEP in
+  list) sed -n '/^# Steps/,/^set /p' "$0" | sed '$d' ;;
+  tests-torchrun) run tests_torchrun torchrun --nproc-per-node "$N" -m pytest tests -q -rfs -p no:cacheprovider ;;
+  tests-mpirun) run tests_mpirun mpirun --allow-run-as-root --bind-to none -np "$N" -x PYTHONPATH -x PATH \
+      python -m pytest tests -q -rfs -p no:cacheprovider ;;
+  tests-plain) run tests_plain python -m pytest tests -q -rfs -p no:cacheprovider
+               run main_job python -m distnorm ;;
+  faults) run faults torchrun --nproc-per-node "$N" -m pytest tests/multigpu/test_faults_gpu.py -q -s -rfs ;;
+  allreduce) run allreduce torchrun --nproc-per-node "$N" benchmarks/bench_allreduce_fusion.py \
+      --out "$OUT/allreduce_fusion_$tag" ;;
+  seqpar) run seqpar torchrun --nproc-per-node "$N" benchmarks/bench_seqpar.py --out "$OUT/seqpar_$tag" ;;
+  fallback) run fallback torchrun --nproc-per-node "$N" benchmarks/bench_fallback.py --buffer-mib 256 \
+      --out "$OUT/fallback_$tag" ;;
+  tp-layer) run tp_layer torchrun --nproc-per-node "$N" benchmarks/bench_tp_layer.py --model 8b \
+      --out "$OUT/tp_layer_$tag"
+            run tp_layer_fp8 torchrun --nproc-per-node "$N" benchmarks/bench_tp_layer.py --model 8b --fp8 \
+      --out "$OUT/tp_layer_fp8_$tag" ;;
+  *) echo "STEP=$STEP: expected one of list, tests-torchrun, tests-mpirun, tests-plain, faults," \
+          "allreduce, seqpar, fallback, tp-layer" >&2; exit 2 ;;
+esac

@@ -247,7 +247,7 @@ SPLIT_CASES = [("none", 1, 4, 32768), ("none", 4, 4, 32768), ("nvfp4_swizzled", 
 def test_split_rows_store_one_ctas_bits(variant, cluster, split, H):
     """Rows split over `split` CTAs (clusters of `cluster` CTAs) store every output bit the
     unsplit kernel stores (NOTE [split rows] in kernels/fused_norm.py, NOTE [compact parts] in
-    kernels/norm_quant.py), whatever ops' rule picks: fp16, where at H = 32768 a miscompile once
+    kernels/split_parts.py), whatever ops' rule picks: fp16, where at H = 32768 a miscompile once
     made part 1 store vector column 0's residual in column 1. 3 rows, so parts of several rows run
     side by side."""
     from distnorm.args import allocate_outputs

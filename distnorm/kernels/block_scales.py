@@ -108,7 +108,7 @@ class BlockScales:
     def _scale_group(self, lanes: int, columns: int) -> int:
         """Vectors whose block scales a block's lanes compute one each (NOTE [one scale per
         lane]): the largest power of two <= min(lanes, MAX_SCALE_GROUP) dividing `columns`, the
-        thread's vectors (a split part's compact columns: NOTE [compact parts] in norm_quant.py)."""
+        thread's vectors (a split part's compact columns: NOTE [compact parts] in split_parts.py)."""
         group = 1
         while group * 2 <= min(lanes, MAX_SCALE_GROUP) and columns % (group * 2) == 0:
             group *= 2

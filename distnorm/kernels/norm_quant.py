@@ -30,6 +30,7 @@ from distnorm.formats import (VEC, QuantSpec, swizzled_offset, swizzled_tile_wor
                               swizzled_word_row)
 from distnorm.kernels import ptx
 from distnorm.kernels.block_scales import BlockScales, pairwise
+from distnorm.kernels.split_parts import SplitParts
 from distnorm.kernels.tiling import RowTiling
 
 # what _e2m1_biased_magnitude returns on top of the magnitude code: its rounded - binade is
@@ -43,7 +44,7 @@ def half_name(dtype) -> str:
     return "bf16" if dtype is cutlass.BFloat16 else "f16"
 
 
-class NormQuantCore(BlockScales):
+class NormQuantCore(BlockScales, SplitParts):
     """RMSNorm + quantization epilogue shared by every fused kernel.
 
     Built at trace time from compile-time values; its methods are called inside a @cute.kernel.
@@ -56,7 +57,7 @@ class NormQuantCore(BlockScales):
         self.gemma = gemma
         self.write_y = write_y
         # NOTE [split rows]: `split` CTAs per row, part p storing vectors j % split == p
-        assert split & (split - 1) == 0, "compact_part selects on the part's bits"
+        assert split & (split - 1) == 0, "SplitParts.compact_part selects on the part's bits"
         self.split = split
         if quant.grouped:
             lanes = quant.group_size // VEC
@@ -143,62 +144,6 @@ class NormQuantCore(BlockScales):
                         tRow[(None, v)].store(self._slice(frag, k, width).load().to(dtype))
                     else:
                         self._slice(frag, k, width).store(tRow[(None, v)].load())
-
-    def _mine(self, j, part):
-        """Whether vector j is stored by part `part` (NOTE [split rows]): a Python True, folded
-        away, without a split or for a run-time column of part_columns (the part's own)."""
-        if part is None or self.split == 1 or not isinstance(j, int):
-            return True
-        return part == j % self.split
-
-    # NOTE [compact parts]
-    # A split part (NOTE [split rows] in fused_norm.py) stores the vectors j % split == part, a
-    # run-time value. Guarding each vector's y and quantizer code by that test kept all nv copies
-    # in the kernel, each behind a branch, of which a part runs nv / split. After the sum of squares
-    # (which needs every vector) a part now moves its own vectors into a fragment of
-    # ceil(nv / split) vectors by selects on the part's bits (compact_part), loads only its own
-    # weights, and y and the quantizer run on that: code for nv / split vectors, no branches.
-    # Column k of the compact fragment is vector j = k * split + part (part_columns); past nv (a
-    # ragged nv) it holds any value and is never stored. Per-token scales need every y for the
-    # row amax and keep the branches. SASS instructions (sm_90a; registers): NVFP4 at H = 4096,
-    # 4 parts 1152 -> 736 (64 -> 50), per-group FP8 at H = 32768, cluster 4, 4 parts 1480 -> 840
-    # (116 -> 91). Measured on H200 (benchmarks/results/compact_parts_ab_h200.md, M = 1-48): split
-    # calls up to 13% faster (MXFP4 1 x 32768 2.23 -> 1.93 us, per-group FP8 2.28 -> 2.00), NVFP4
-    # at 1 x 32768 +2.7%. Kernels without a split are unchanged (the same PTX).
-    def part_columns(self, part) -> list:
-        """The vector columns j this thread makes y and q of, in order: all nv (Python ints)
-        without a split, else k * split + part (run-time) for k < ceil(nv / split)."""
-        nv = self.t.vecs_per_thread
-        if part is None or self.split == 1:
-            return list(range(nv))
-        return [k * self.split + part for k in range(-(-nv // self.split))]
-
-    def _columns_exact(self, cols: list) -> bool:
-        """Whether every column of `cols` is a vector inside the row (no predicate needed)."""
-        if all(isinstance(j, int) for j in cols):
-            return self.t.exact
-        return self.t.exact and len(cols) * self.split == self.t.vecs_per_thread
-
-    def compact_part(self, frag, part):
-        """frag (float32, this thread's nv vectors) -> a float32 fragment of part_columns(part)'s
-        vectors (NOTE [compact parts]); frag itself without a split."""
-        nv = self.t.vecs_per_thread
-        if part is None or self.split == 1:
-            return frag
-        s = self.split
-        cols = -(-nv // s)
-        out = cute.make_rmem_tensor(cute.make_layout(cols * VEC), Float32)
-        for k in range(cols):
-            for e in range(VEC):
-                # the candidates for parts 0 .. s-1, narrowed by part's bits from the lowest up
-                cands = [frag[min(k * s + p, nv - 1) * VEC + e] for p in range(s)]
-                bit = 1
-                while len(cands) > 1:
-                    cands = [ptx.select_f32(part & bit, cands[i + 1], cands[i])
-                             for i in range(0, len(cands), 2)]
-                    bit *= 2
-                out[k * VEC + e] = cands[0]
-        return out
 
     def load_row(self, dst, tSrc, lane: Int32):
         """dst (register fragment) <- row thread `lane`'s vectors of the row tSrc."""

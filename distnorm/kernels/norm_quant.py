@@ -361,7 +361,8 @@ class NormQuantCore(BlockScales, SplitParts):
         """rH: float32 register fragment [vecs_per_thread * 8] of h for row thread `lane`'s
         vectors (lane: the thread's index among the row's row_threads, cluster-wide).
         rW: this thread's weight vectors (load_weight), when the caller loaded them early; else
-        they are loaded here.
+        they are loaded here (a split part loads its own columns only: only then may `part` be
+        given with rW None).
 
         Writes T(y) to mY (when write_y), q to mQ (as int32 words) and scales to mS. Threads of padded
         rows (row_valid False, scale_valid True: swizzled-scale padding) compute on zeros and store

@@ -33,7 +33,8 @@ run() {  # run NAME CMD...: the command's output in $OUT/NAME.log, its time and 
 case $STEP in
   list) sed -n '/^# Steps/,/^set /p' "$0" | sed '$d' ;;
   tests-torchrun) run tests_torchrun torchrun --nproc-per-node "$N" -m pytest tests -q -rfs -p no:cacheprovider ;;
-  tests-mpirun) run tests_mpirun mpirun --allow-run-as-root --bind-to none -np "$N" -x PYTHONPATH -x PATH \
+  tests-mpirun) xs=(); for v in PYTHONPATH PATH LD_LIBRARY_PATH; do [ -n "${!v:-}" ] && xs+=(-x "$v"); done
+      run tests_mpirun mpirun --allow-run-as-root --bind-to none -np "$N" "${xs[@]}" \
       python -m pytest tests -q -rfs -p no:cacheprovider ;;
   tests-plain) run tests_plain python -m pytest tests -q -rfs -p no:cacheprovider
                run main_job python -m distnorm ;;

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from distnorm.formats import MAX_HIDDEN, MIN_HIDDEN, VEC
-from distnorm.kernels.tiling import choose_tiling, cluster_sizes, row_threads_for
+from distnorm.kernels.tiling import RowTiling, choose_tiling, cluster_sizes, row_threads_for
 from distnorm.formats import make_quant_spec
 from distnorm.ops import cluster_for
 
@@ -51,3 +51,33 @@ def test_cluster_choice_follows_the_measurements():
 def test_clusters_that_do_not_split_into_warps_are_refused():
     with pytest.raises(ValueError, match="whole warps"):
         choose_tiling(4096, 8)  # 128 threads per row: 16 per CTA
+
+
+def test_split_parts_own_their_columns_and_select_them():
+    """NOTE [compact parts] (kernels/split_parts.py), on the CPU where CI runs: part p of a split
+    into S owns vectors k * S + p, the selects pick exactly cands[p] for every p, and a column
+    past nv (a ragged nv, or a part with no vector) turns the row predicate on."""
+    import numpy as np
+
+    from distnorm.kernels.split_parts import SplitParts, select_by_bits
+
+    for s in (1, 2, 4, 8):
+        for p in range(s):
+            picks = select_by_bits(list(range(s)), p, lambda pick, a, b: a if pick else b)
+            assert picks == p, (s, p)
+
+    class Parts(SplitParts):
+        def __init__(self, hidden, split):
+            self.t, self.split = RowTiling(hidden, row_threads_for(hidden)), split
+
+    for hidden, split in ((32768, 4), (4096, 2), (768, 4), (2880, 2), (4096, 1)):
+        parts = Parts(hidden, split)
+        nv = parts.t.vecs_per_thread
+        owned = []
+        for p in range(split):
+            run_time_part = np.int32(p) if split > 1 else None  # not a Python int: a run-time value
+            cols = parts.part_columns(run_time_part)
+            assert [int(j) for j in cols] == list(range(p, -(-nv // split) * split, split))[:len(cols)]
+            owned += [int(j) for j in cols if j < nv]
+            assert parts._columns_exact(cols) == (parts.t.exact and nv % split == 0)
+        assert sorted(owned) == list(range(nv)), (hidden, split)

@@ -63,12 +63,17 @@ class SplitParts:
         out = cute.make_rmem_tensor(cute.make_layout(cols * VEC), Float32)
         for k in range(cols):
             for e in range(VEC):
-                # the candidates for parts 0 .. s-1, narrowed by part's bits from the lowest up
                 cands = [frag[min(k * s + p, nv - 1) * VEC + e] for p in range(s)]
-                bit = 1
-                while len(cands) > 1:
-                    cands = [ptx.select_f32(part & bit, cands[i + 1], cands[i])
-                             for i in range(0, len(cands), 2)]
-                    bit *= 2
-                out[k * VEC + e] = cands[0]
+                out[k * VEC + e] = select_by_bits(cands, part, ptx.select_f32)
         return out
+
+
+def select_by_bits(cands: list, part, select):
+    """cands[part] for a run-time part in [0, len(cands)) (a power of two): len - 1 selects
+    narrowing on part's bits from the lowest up (depth log2 len). select(pick, a, b): a where the
+    int pick is nonzero, else b (ptx.select_f32 in a kernel)."""
+    bit = 1
+    while len(cands) > 1:
+        cands = [select(part & bit, cands[i + 1], cands[i]) for i in range(0, len(cands), 2)]
+        bit *= 2
+    return cands[0]

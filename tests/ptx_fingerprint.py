@@ -30,10 +30,12 @@ QUANTS = {
 }
 FUSED_SHAPES = (("bfloat16", 4096, True, False, 1), ("float16", 1536, False, True, 1),
                 ("bfloat16", 32768, True, False, 2), ("bfloat16", 8192, True, False, 8))
-# (quant, H, cluster, pdl, split, slots): split rows (NOTE [split rows]), PDL, rank slots (NOTE [slots])
+# (quant, H, cluster, pdl, split, slots): split rows (NOTE [split rows]; at H = 768 a part with no
+# vector: NOTE [compact parts]), PDL, rank slots (NOTE [slots])
 FUSED_LAUNCH_FORMS = (("nvfp4s", 4096, 1, True, 4, 1), ("pg128", 32768, 4, True, 4, 1),
                       ("mxfp8s", 16384, 2, True, 2, 1), ("fp8", 8192, 1, False, 2, 1),
-                      ("pt", 4096, 1, True, 1, 2))
+                      ("pt", 4096, 1, True, 1, 2), ("pg128", 768, 1, True, 4, 1),
+                      ("pt", 768, 1, True, 4, 1))
 # (algo, world, dtype, H, quant, residual, gemma, write_y, write_allreduce[, pdl, rows_per_cta,
 #  form]): every all-reduce algorithm at world 2 / 4 / 8, plain and fused, the formats' scale kinds,
 # fp16 and ragged rows, PDL and rows per CTA, every form. Also what tests/test_allreduce_compile.py

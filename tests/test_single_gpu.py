@@ -226,6 +226,8 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
         v, d, slots, M, H = (params[k] for k in ("variant", "dtype", "slots", "M", "H"))
         base = key(v, d, H, M, in_place=params["in_place"])
         return [base + (slots,), key(v, d, H, M, residual=False)]
+    if test == "test_ragged_rows_against_the_reference":
+        return [key(params["variant"], params["dtype"], RAGGED_HIDDEN, M) for M in (3, 130)]
     if test == "test_no_residual_strided_in_place":  # its three run_and_check calls
         v = params["variant"]
         return [key(v, "bf16", 4096, 300, residual=False), key(v, "bf16", 4096, 300, in_place=True),
@@ -268,10 +270,33 @@ def test_split_rows_store_one_ctas_bits(variant, cluster, split, H):
                                      cluster, True, s)
         kernel(x, res, *outs[:1], w, *outs[1:], kw.get("scale"), kw.get("global_scale"), 1e-6)
         got.append([t.view(torch.uint8) for t in outs if t is not None])
+        if s == 1:
+            _, y, q, scales = outs
     torch.cuda.synchronize()
     assert torch.equal(got[0][0], ref.residual.view(torch.uint8)), "residual not bitwise equal"
+    assert_y_close(y, ref.y)  # the unsplit kernel against the reference (768, 2880: no grid size)
+    if spec is not None:
+        assert_quant_close(q, scales, ref, spec, M, H, scale=kw.get("scale"),
+                           global_scale=kw.get("global_scale"))
     for one_cta, parts in zip(*got):
         assert torch.equal(one_cta, parts), f"split {split} (cluster {cluster}) changed bits"
+
+
+# (variant, dtype): every scale kind, both FP4 packings, both activation dtypes
+RAGGED_CASES = [("none", "bf16"), ("fp8", "fp16"), ("fp8_per_token", "bf16"),
+                ("fp8_g64_col_ue8m0", "bf16"), ("nvfp4_swizzled", "fp16"), ("mxfp8_swizzled", "bf16"),
+                ("mxfp4_linear", "bf16")]
+RAGGED_HIDDEN = 2880
+
+
+@pytest.mark.parametrize("variant, dtype", RAGGED_CASES)
+def test_ragged_rows_against_the_reference(variant, dtype):
+    """H = 2880 (gpt-oss's hidden size): 360 vectors on 96 threads, so the last vector of a
+    thread is past the row for some threads (a predicated tail: RowTiling.exact False), a tiling
+    test_fused_norm's sizes never have. Every output against the reference, outputs poisoned, at
+    3 rows (split over CTAs) and 130."""
+    for M in (3, 130):
+        run_and_check(variant, DTYPES[dtype], M, RAGGED_HIDDEN)
 
 
 @pytest.mark.parametrize("variant", ["none", "fp8_per_token", "nvfp4_swizzled"])

@@ -235,7 +235,6 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     return []
 
 
-
 # (variant, cluster, split, H): H = 32768 has 8 vectors per thread; 768 has 3 (a split of 4
 # leaves part 3 none: NOTE [compact parts]); 2880 a ragged tail (360 vectors on 96 threads)
 SPLIT_CASES = [("none", 1, 4, 32768), ("none", 4, 4, 32768), ("nvfp4_swizzled", 4, 4, 32768),

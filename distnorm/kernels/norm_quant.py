@@ -135,7 +135,7 @@ class NormQuantCore(BlockScales, SplitParts):
         cols: the vector columns j of the fragment's vectors (part_columns; default all)."""
         t = self.t
         if const_expr(cols is None):
-            cols = list(range(t.vecs_per_thread))
+            cols = self.part_columns(None)
         for k in cutlass.range_constexpr(len(cols)):
             v = lane + cols[k] * t.row_threads
             if const_expr(self._columns_exact(cols)) or v < t.vecs:
@@ -349,7 +349,7 @@ class NormQuantCore(BlockScales, SplitParts):
         """Row thread `lane`'s vectors of the weight [H] (those of `cols`, part_columns: default
         all) as a register fragment of its dtype."""
         if const_expr(cols is None):
-            cols = list(range(self.t.vecs_per_thread))
+            cols = self.part_columns(None)
         rW = self.zeros(mW.element_type, len(cols))
         self._copy_row(rW, cute.zipped_divide(mW, (VEC,)), lane, False, None, VEC, None, cols)
         return rW
@@ -419,11 +419,7 @@ class NormQuantCore(BlockScales, SplitParts):
         if const_expr(q.kind == "nvfp4"):
             rcp_gs = ptx.rcp_rn(global_scale)  # once per row, not per block
         if const_expr(q.info.scales == "static"):
-            for k in cutlass.range_constexpr(len(cols)):
-                v = lane + cols[k] * t.row_threads
-                if const_expr(self._columns_exact(cols)) or v < t.vecs:
-                    if row_valid:
-                        self._store_q(rY, k, static_inv, tQ, v)
+            self._store_q_columns(rY, cols, static_inv, tQ, lane, row_valid, part)
         elif const_expr(q.info.scales == "row"):
             amax = Float32(0.0)  # one chain: NOTE [short chains]
             for i in cutlass.range_constexpr(len(cols) * VEC):
@@ -434,11 +430,7 @@ class NormQuantCore(BlockScales, SplitParts):
                 self._store_scale(mS, row, Int32(0), stored)
             # every y made the amax (cols: all of them); a split part stores its own behind a
             # branch each: compacting them too was 0-2% slower here (NOTE [compact parts])
-            for k in cutlass.range_constexpr(len(cols)):
-                vr = lane + cols[k] * t.row_threads
-                if const_expr(self._columns_exact(cols)) or vr < t.vecs:
-                    if row_valid and self._mine(cols[k], part):
-                        self._store_q(rY, k, inv, tQ, vr)
+            self._store_q_columns(rY, cols, inv, tQ, lane, row_valid, part)
         else:  # blocked formats: a block is `lanes` consecutive lanes of one vector column j
             lanes = q.group_size // VEC
             group = self._scale_group(lanes, len(cols))
@@ -471,6 +463,17 @@ class NormQuantCore(BlockScales, SplitParts):
             if const_expr(q.swizzled):
                 if lane == 0 and scale_valid and self._mine(0, part):
                     self._zero_padding_columns(mS, row)
+
+    @cute.jit
+    def _store_q_columns(self, rY, cols: list, inv: Float32, tQ, lane: Int32, row_valid, part):
+        """q of every vector of rY (columns `cols`) scaled by one multiplier (static / per-token
+        scales); with Python-int columns and a part, only the part's (NOTE [split rows])."""
+        t = self.t
+        for k in cutlass.range_constexpr(len(cols)):
+            v = lane + cols[k] * t.row_threads
+            if const_expr(self._columns_exact(cols)) or v < t.vecs:
+                if row_valid and self._mine(cols[k], part):
+                    self._store_q(rY, k, inv, tQ, v)
 
     @cute.jit
     def _zero_padding_columns(self, mS, row: Int32):

@@ -19,6 +19,7 @@ import torch
 
 import distnorm
 from distnorm import formats
+from distnorm.args import DTYPE_NAMES
 from distnorm.reference import add_rmsnorm_ref
 from invariance import BATCHES, assert_same_bytes, embed, row_bytes
 from quant_check import assert_quant_close, assert_y_close, poison_like, quant_kwargs
@@ -220,8 +221,8 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
                 for M, _ in BATCHES + ((60, 17),)]
     if test == "test_split_rows_store_one_ctas_bits":
         spec = formats.kernel_spec(variant_spec(params["variant"]))
-        return [("fused_norm", "float16", params["H"], spec, True, False, True, params["cluster"],
-                 True, s) for s in (1, params["split"])]
+        return [("fused_norm", DTYPE_NAMES[DTYPES[params["dtype"]]], params["H"], spec, True,
+                 False, True, params["cluster"], True, s) for s in (1, params["split"])]
     if test == "test_slots_sum_in_rank_order":
         v, d, slots, M, H = (params[k] for k in ("variant", "dtype", "slots", "M", "H"))
         base = key(v, d, H, M, in_place=params["in_place"])
@@ -235,28 +236,31 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     return []
 
 
-# (variant, cluster, split, H): H = 32768 has 8 vectors per thread; 768 has 3 (a split of 4
-# leaves part 3 none: NOTE [compact parts]); 2880 a ragged tail (360 vectors on 96 threads)
-SPLIT_CASES = [("none", 1, 4, 32768), ("none", 4, 4, 32768), ("nvfp4_swizzled", 4, 4, 32768),
-               ("fp8_g128", 4, 2, 32768), ("fp8_per_token", 1, 2, 32768),
-               ("nvfp4_swizzled", 1, 4, 768), ("fp8_per_token", 1, 4, 768), ("fp8", 1, 2, 768),
-               ("fp8_g128", 1, 4, 768), ("mxfp8_swizzled", 1, 4, 2880),
-               ("nvfp4_swizzled", 1, 2, 2880)]
+# (variant, cluster, split, H, dtype): H = 32768 has 8 vectors per thread; 768 has 3 (a split of
+# 4 leaves part 3 none: NOTE [compact parts]); 2880 a ragged tail (360 vectors on 96 threads)
+SPLIT_CASES = [("none", 1, 4, 32768, "fp16"), ("none", 4, 4, 32768, "fp16"),
+               ("nvfp4_swizzled", 4, 4, 32768, "fp16"), ("fp8_g128", 4, 2, 32768, "fp16"),
+               ("fp8_per_token", 1, 2, 32768, "fp16"), ("nvfp4_swizzled", 1, 4, 768, "fp16"),
+               ("fp8_per_token", 1, 4, 768, "fp16"), ("fp8", 1, 2, 768, "fp16"),
+               ("fp8_g128", 1, 4, 768, "fp16"), ("mxfp8_swizzled", 1, 4, 2880, "fp16"),
+               ("nvfp4_swizzled", 1, 2, 2880, "fp16"), ("fp8_per_token", 1, 2, 2880, "bf16"),
+               ("fp8", 1, 2, 2880, "bf16"), ("none", 1, 2, 2880, "bf16")]
 
 
-@pytest.mark.parametrize("variant, cluster, split, H", SPLIT_CASES)
-def test_split_rows_store_one_ctas_bits(variant, cluster, split, H):
+@pytest.mark.parametrize("variant, cluster, split, H, dtype", SPLIT_CASES)
+def test_split_rows_store_one_ctas_bits(variant, cluster, split, H, dtype):
     """Rows split over `split` CTAs (clusters of `cluster` CTAs) store every output bit the
     unsplit kernel stores (NOTE [split rows] in kernels/fused_norm.py, NOTE [compact parts] in
     kernels/split_parts.py), whatever ops' rule picks: fp16, where at H = 32768 a miscompile once
-    made part 1 store vector column 0's residual in column 1. 3 rows, so parts of several rows run
-    side by side."""
+    made part 1 store vector column 0's residual in column 1; bf16 at 2880, where per-token FP8
+    (and static FP8 before its parts were compacted) stored vector 1's y in vector 2's place. 3
+    rows, so parts of several rows run side by side."""
     from distnorm.args import allocate_outputs
     from distnorm.kernels.compile import compiled_fused_norm
 
     M = 3
     spec = variant_spec(variant)
-    x, res, w = make_inputs(M, H, torch.float16, 5)
+    x, res, w = make_inputs(M, H, DTYPES[dtype], 5)
     kw = quant_kwargs(*VARIANTS[variant], device="cuda")
     ref = add_rmsnorm_ref(x, res, w, 1e-6, norm_out=True, **kw)
     got = []
@@ -265,8 +269,8 @@ def test_split_rows_store_one_ctas_bits(variant, cluster, split, H):
         for t in outs:
             if t is not None:
                 poison_like(t)
-        kernel = compiled_fused_norm("float16", H, formats.kernel_spec(spec), True, False, True,
-                                     cluster, True, s)
+        kernel = compiled_fused_norm(DTYPE_NAMES[DTYPES[dtype]], H, formats.kernel_spec(spec),
+                                     True, False, True, cluster, True, s)
         kernel(x, res, *outs[:1], w, *outs[1:], kw.get("scale"), kw.get("global_scale"), 1e-6)
         got.append([t.view(torch.uint8) for t in outs if t is not None])
         if s == 1:

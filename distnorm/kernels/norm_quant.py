@@ -392,13 +392,29 @@ class NormQuantCore(BlockScales, SplitParts):
                 if const_expr(self.gemma):
                     wf = Float32(1.0) + wf
                 rY[k * VEC + e] = (rY[k * VEC + e] * r) * wf
+        row_amax = None
+        if const_expr(y_part is None and part is not None and self.split > 1):
+            # a split row's per-token amax needs every y; the part then keeps its own columns
+            # (NOTE [compact parts]: its stores behind a branch per vector were miscompiled)
+            row_amax = self._row_amax(rY, cols, bufs, row_in_cta, lane)
+            rY = self.compact_part(rY, part)
+            cols = self.part_columns(part)
         if const_expr(self.write_y):
             if row_valid:
                 self.store_row(rY, cute.zipped_divide(mY[row, None], (VEC,)), lane, mY.element_type,
                                part, cols)
         if const_expr(self.q.info.scales != "none"):
             self._quantize(rY, cols, row, row_valid, scale_valid, lane, row_in_cta, mQ, mS,
-                           static_inv, global_scale, bufs, part)
+                           static_inv, global_scale, bufs, part, row_amax)
+
+    @cute.jit
+    def _row_amax(self, rY, cols: list, bufs, row_in_cta: Int32, lane: Int32) -> Float32:
+        """max |y| over the row (per-token scales): this thread's y vectors rY (columns `cols`),
+        one chain (NOTE [short chains]), then over the row's threads."""
+        amax = Float32(0.0)
+        for i in cutlass.range_constexpr(len(cols) * VEC):
+            amax = ptx.fmax_nan(amax, ptx.fabs(rY[i]))
+        return self.row_reduce(amax, True, bufs[1], row_in_cta, lane)
 
     def _slice(self, rH, j: int, width: int = VEC):
         """The register view of vector j (`width` elements: 8 values, or 4 packed words)."""
@@ -407,8 +423,9 @@ class NormQuantCore(BlockScales, SplitParts):
     @cute.jit
     def _quantize(self, rY, cols: list, row: Int32, row_valid, scale_valid, lane: Int32,
                   row_in_cta: Int32, mQ, mS, static_inv: Float32, global_scale: Float32, bufs,
-                  part=None):
-        """q and scales of the y vectors rY of columns `cols` (part_columns)."""
+                  part=None, row_amax=None):
+        """q and scales of the y vectors rY of columns `cols` (part_columns). row_amax: the
+        per-token amax when the caller reduced it already (a split row: epilogue)."""
         t = self.t
         q = self.q
         # the row as int32 words (4 fp8 codes or 8 fp4 codes each; the host passes q unviewed)
@@ -421,15 +438,12 @@ class NormQuantCore(BlockScales, SplitParts):
         if const_expr(q.info.scales == "static"):
             self._store_q_columns(rY, cols, static_inv, tQ, lane, row_valid, part)
         elif const_expr(q.info.scales == "row"):
-            amax = Float32(0.0)  # one chain: NOTE [short chains]
-            for i in cutlass.range_constexpr(len(cols) * VEC):
-                amax = ptx.fmax_nan(amax, ptx.fabs(rY[i]))
-            amax = self.row_reduce(amax, True, bufs[1], row_in_cta, lane)
+            amax = row_amax
+            if const_expr(row_amax is None):
+                amax = self._row_amax(rY, cols, bufs, row_in_cta, lane)
             stored, inv = self._block_scale(amax, global_scale, rcp_gs)
             if lane == 0 and row_valid and self._mine(0, part):
                 self._store_scale(mS, row, Int32(0), stored)
-            # every y made the amax (cols: all of them); a split part stores its own behind a
-            # branch each: compacting them too was 0-2% slower here (NOTE [compact parts])
             self._store_q_columns(rY, cols, inv, tQ, lane, row_valid, part)
         else:  # blocked formats: a block is `lanes` consecutive lanes of one vector column j
             lanes = q.group_size // VEC

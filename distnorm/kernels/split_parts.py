@@ -33,7 +33,10 @@ class SplitParts:
     # weights, and y and the quantizer run on that: code for nv / split vectors, no branches.
     # Column k of the compact fragment is vector j = k * split + part (part_columns); past nv (a
     # ragged nv) it holds any value and is never stored. Per-token scales need every y for the
-    # row amax and keep the branches. SASS instructions (sm_90a; registers): NVFP4 at H = 4096,
+    # row amax: their y is made for every vector and compacted after the amax. (Stores behind a
+    # branch per vector were miscompiled: per-token FP8 at H = 2880, 2 parts, bf16, CuTe DSL 4.3.5
+    # stored vector 1's y in vector 2's place, the two parts' stores merged into one with only
+    # the address selected by part; the same for static FP8 before it was compacted.) SASS instructions (sm_90a; registers): NVFP4 at H = 4096,
     # 4 parts 1152 -> 736 (64 -> 50), per-group FP8 at H = 32768, cluster 4, 4 parts 1480 -> 840
     # (116 -> 91). Measured on H200 (benchmarks/results/compact_parts_ab_h200.md, M = 1-48): split
     # calls up to 13% faster (MXFP4 1 x 32768 2.23 -> 1.93 us, per-group FP8 2.28 -> 2.00), NVFP4

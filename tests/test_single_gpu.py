@@ -227,6 +227,8 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
         v, d, slots, M, H = (params[k] for k in ("variant", "dtype", "slots", "M", "H"))
         base = key(v, d, H, M, in_place=params["in_place"])
         return [base + (slots,), key(v, d, H, M, residual=False)]
+    if test == "test_model_hidden_sizes":
+        return [key(params["variant"], params["dtype"], params["H"], M) for M in (1, 7, 130)]
     if test == "test_ragged_rows_against_the_reference":
         return [key(params["variant"], params["dtype"], RAGGED_HIDDEN, M) for M in (3, 130)]
     if test == "test_no_residual_strided_in_place":  # its three run_and_check calls
@@ -300,6 +302,35 @@ def test_ragged_rows_against_the_reference(variant, dtype):
     3 rows (split over CTAs) and 130."""
     for M in (3, 130):
         run_and_check(variant, DTYPES[dtype], M, RAGGED_HIDDEN)
+
+
+# hidden sizes of released models (Qwen2.5-0.5B 896, Gemma 3 1B 1152, Gemma 2 2B 2304, Qwen3-4B
+# 2560, Qwen2-7B 3584, Gemma 3 12B 3840, Gemma 3 27B 5376, Mixtral 8x22B 6144, DeepSeek-V3 7168,
+# Mistral Large 12288): tilings the power-of-two grid never builds (3, 5 or 7 vectors per thread,
+# 28 or 224 threads per row, ragged tails at 896)
+MODEL_HIDDEN = (896, 1152, 2304, 2560, 3584, 3840, 5376, 6144, 7168, 12288)
+
+
+def model_cases(level: str) -> list[tuple[str, str, int]]:
+    """(variant, dtype id, H) of test_model_hidden_sizes: every variant and dtype at every size
+    with DISTNORM_FULL=1, else two per size, rotating over the variants and dtypes."""
+    names = list(VARIANTS)
+    if level == "full":
+        return [(v, d, H) for H in MODEL_HIDDEN for v in names for d in DTYPES]
+    dtypes = list(DTYPES)
+    return [(names[(2 * i + k) % len(names)], dtypes[(i + k) % 2], H)
+            for i, H in enumerate(MODEL_HIDDEN) for k in range(2)]
+
+
+MODEL_CASES = model_cases(grid_level(os.environ))
+
+
+@pytest.mark.parametrize("variant, dtype, H", MODEL_CASES)
+def test_model_hidden_sizes(variant, dtype, H):
+    """Every output against the reference, outputs poisoned, at the hidden sizes of released
+    models and 1, 7 (rows split over CTAs) and 130 rows, with the launch rules' own choices."""
+    for M in (1, 7, 130):
+        run_and_check(variant, DTYPES[dtype], M, H)
 
 
 @pytest.mark.parametrize("variant", ["none", "fp8_per_token", "nvfp4_swizzled"])

@@ -11,8 +11,9 @@ import pytest
 
 from distnorm.launch import LaunchEnv, detect_launch_env, without_launcher_vars
 from sharding import group_owners, plan_shard, sharding_enabled
-from test_single_gpu import (EDGE_HIDDEN, EDGE_TOKENS, MIDDLE_HIDDEN, RAGGED_CASES, SLOTS_CASES,
-                             SPLIT_CASES, TOKENS, VARIANTS, fused_norm_cases, grid_level)
+from test_single_gpu import (EDGE_HIDDEN, EDGE_TOKENS, MIDDLE_HIDDEN, MODEL_CASES, RAGGED_CASES,
+                             SLOTS_CASES, SPLIT_CASES, TOKENS, VARIANTS, fused_norm_cases,
+                             grid_level)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -167,6 +168,7 @@ def test_launched_ranks_split_the_grid_by_kernel():
     # chains, bad inputs), and the split-rows, ragged-rows and slots cases
     assert len(barrier) == 3 and len(everything) == (3 + len(fused_norm_cases("default")) + 10
                                                      + len(SPLIT_CASES) + len(RAGGED_CASES)
+                                                     + len(MODEL_CASES)
                                                      + len(SLOTS_CASES))
     for names in got:
         assert names[:3] == barrier  # collective tests first, on every rank

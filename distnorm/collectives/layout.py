@@ -11,6 +11,7 @@ Signal pad (per rank, ``Workspace.signal_bytes``, u32 words), regions of ``REGIO
     region 4  REGION_DEVICE_ERROR  word 0: the device error word (DEVICE_ERROR_WORD), then the
                                    call words (CALL_W_* below)
     region 5  REGION_REDUCESCATTER the sequence-parallel reduce-scatter's cross-rank CTA barrier
+    region 6  REGION_ROWGATHER     the row gather's cross-rank CTA barrier (kernels/rowgather.py)
 
 A barrier region holds ``epochs[MAX_CTAS]`` then 64-bit ``flags[MAX_CTAS][MAX_WORLD][FLAG_SLOTS]``,
 each flag (epoch, call signature) in slot ``epoch % FLAG_SLOTS`` (kernels/sync.py: a peer one
@@ -53,6 +54,7 @@ from __future__ import annotations
 __all__ = [
     "MAX_CTAS", "MAX_WORLD", "REGION_WORDS", "REGION_BARRIER_TEST", "REGION_ONESHOT",
     "REGION_TWOSHOT", "REGION_LAMPORT", "REGION_DEVICE_ERROR", "REGION_REDUCESCATTER",
+    "REGION_ROWGATHER",
     "region_word", "DEVICE_ERROR_WORD",
     "MIN_SIGNAL_BYTES", "ERROR_NONE", "ERROR_TIMEOUT", "ERROR_MISMATCH", "ERROR_NAMES",
     "ERROR_WORDS", "ERR_CODE", "ERR_PEER", "ERR_EPOCH", "ERR_VALUE", "FLAG_WORDS", "FLAG_SLOTS",
@@ -75,6 +77,7 @@ REGION_TWOSHOT = 2
 REGION_LAMPORT = 3
 REGION_DEVICE_ERROR = 4
 REGION_REDUCESCATTER = 5
+REGION_ROWGATHER = 6
 
 
 def region_word(region: int) -> int:
@@ -89,7 +92,7 @@ CALL_W_LAST = DEVICE_ERROR_WORD + 4          # 16-byte aligned
 CALL_W_LAMPORT_HDR = CALL_W_LAST + DESCRIPTOR_WORDS
 CALL_W_HOST_BARRIER = CALL_W_LAMPORT_HDR + LAMPORT_AREAS * MAX_WORLD * DESCRIPTOR_WORDS
 HOST_BARRIER_FIRST_CALL, HOST_BARRIER_RESET_A, HOST_BARRIER_RESET_B = 0, 1, 2
-MIN_SIGNAL_BYTES = region_word(REGION_REDUCESCATTER + 1) * 4  # every region (the last: 5) fits
+MIN_SIGNAL_BYTES = region_word(REGION_ROWGATHER + 1) * 4  # every region (the last: 6) fits
 
 # pinned error words
 ERROR_NONE = 0

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
 from distnorm.collectives.layout import (LAMPORT_AREAS, REGION_LAMPORT, REGION_ONESHOT,
-                                         REGION_REDUCESCATTER, REGION_TWOSHOT, lamport_split)
+                                         REGION_REDUCESCATTER, REGION_ROWGATHER, REGION_TWOSHOT,
+                                         lamport_split)
 
-__all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "ALGORITHM_FORMS", "LAMPORT_FORMS", "TWOSHOT_FORMS",
+__all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "ALGORITHM_FORMS", "GATHER_BY", "LAMPORT_FORMS",
+           "TWOSHOT_FORMS",
            "Tuning", "choose_algo", "lamport_capacity",
            "max_chunk_rows", "plan_launch", "LAMPORT_CROSSOVER_BYTES", "LAMPORT_CROSSOVER_BYTES_PLAIN",
            "ONESHOT_CROSSOVER_BYTES"]
@@ -64,6 +66,9 @@ ALGORITHMS = {
     "twoshot": Algorithm("twoshot", REGION_TWOSHOT, False, _twoshot_rows),
     # the sequence-parallel op's kernel (collectives/seqpar.py), not an all-reduce algorithm
     "reducescatter": Algorithm("reducescatter", REGION_REDUCESCATTER, False, _scatter_rows),
+    # the sequence-parallel gathers through the peers (kernels/rowgather.py; row bytes: all its
+    # segments' together)
+    "rowgather": Algorithm("rowgather", REGION_ROWGATHER, False, _scatter_rows),
 }
 ALGOS = ("auto", "lamport", "oneshot", "twoshot")  # what allreduce ops take as `algo`
 
@@ -110,6 +115,8 @@ LAMPORT_FORMS = ("poll-all", "poll-unseen")
 # Each algorithm's forms (a compile-time choice that keeps the bits), the default first; Tuning
 # holds algorithm A's as the field `A_form`, read from DISTNORM_<A>_FORM.
 ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS}
+# Who gathers the sequence-parallel ops' rows when the workspace has peer mappings (Tuning.gather_by)
+GATHER_BY = ("peers", "nccl")
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,8 @@ class Tuning:
     host_timeout_s: how long a host-side wait for the group (the first lamport call's preparation,
       reset) lasts before it raises: long, because ranks reach their first call at different times
       (model loading, compilation).
+    gather_by: how the sequence-parallel ops gather rows with peer mappings: "peers" (the row
+      gather kernel, kernels/rowgather.py) or "nccl" (torch.distributed all_gather); same bytes.
     """
 
     pdl: bool = True
@@ -138,8 +147,11 @@ class Tuning:
     twoshot_form: str = TWOSHOT_FORMS[0]
     lamport_form: str = LAMPORT_FORMS[0]
     max_ctas: Mapping[str, int] = field(default_factory=dict)
+    gather_by: str = GATHER_BY[0]
 
     def __post_init__(self) -> None:
+        if self.gather_by not in GATHER_BY:
+            raise ValueError(f"gather_by must be one of {GATHER_BY}, got {self.gather_by!r}")
         for algo, forms in ALGORITHM_FORMS.items():
             name = f"{algo}_form"
             if getattr(self, name) not in forms:
@@ -165,8 +177,9 @@ class Tuning:
     def from_env(cls) -> "Tuning":
         """The defaults, overridden by DISTNORM_PDL=0 (no programmatic dependent launch),
         DISTNORM_BARRIER_TIMEOUT_S and DISTNORM_HOST_TIMEOUT_S (seconds), DISTNORM_TWOSHOT_FORM
-        (one of TWOSHOT_FORMS) and DISTNORM_LAMPORT_FORM (one of LAMPORT_FORMS)."""
-        return cls(pdl=pdl_from_env(),
+        (one of TWOSHOT_FORMS), DISTNORM_LAMPORT_FORM (one of LAMPORT_FORMS) and
+        DISTNORM_GATHER_BY (one of GATHER_BY)."""
+        return cls(pdl=pdl_from_env(), gather_by=_form("DISTNORM_GATHER_BY", GATHER_BY),
                    timeout_s=_seconds("DISTNORM_BARRIER_TIMEOUT_S", cls.timeout_s),
                    host_timeout_s=_seconds("DISTNORM_HOST_TIMEOUT_S", cls.host_timeout_s),
                    **{f"{algo}_form": _form(f"DISTNORM_{algo.upper()}_FORM", forms)

@@ -14,9 +14,11 @@ With peer mappings the reduce-scatter is one kernel (algorithm "reducescatter" o
 kernels/twoshot.py: the two-shot push, then the norm-quant epilogue of the own shard); without
 them, or when the call does not fit the workspace's buffer, torch.distributed (all_to_all; the
 single-GPU kernel for the epilogue, the reference on CPU). Gathers (gather=True, all_gather,
-all_gather_scales) run over torch.distributed (all_gather) for now; with gather=True on the kernel
-path the kernel writes y and q straight into its rows of the gathered tensors, gathered in place
-(no send buffer, no local copy).
+all_gather_scales) go through the peer mappings when the workspace has them (the row gather,
+kernels/rowgather.py: q, scales and y of a call in one launch per chunk of rows; Tuning.gather_by
+= "nccl" or DISTNORM_GATHER_BY=nccl chooses torch.distributed), else torch.distributed
+(all_gather). With gather=True on the kernel path the reduce-scatter kernel writes y and q straight
+into its rows of the gathered tensors, gathered in place (no local copy).
 """
 from __future__ import annotations
 
@@ -139,12 +141,30 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
             out = out._replace(scales=_in_layout(linear, spec, local, H))
     if not gather:
         return out._replace(scales=out.scales if spec is not None else None)
-    q = None if out.q is None else (gather_in_place(full["q"], M, group) if "q" in full else
-                                    gather_rows(out.q, M, group))
-    y = None if out.y is None else (gather_in_place(full["y"], M, group) if "y" in full else
-                                    gather_rows(out.y, M, group))
-    s = _in_layout(gather_rows(linear, M, group), spec, M, H) if has_scales else out.scales
-    return NormQuantOutput(out.residual, y, q, s if spec is not None else None, None)
+    shards = {"q": out.q, "scales": linear, "y": out.y}
+    got = _gather(workspace, {k: t for k, t in shards.items() if t is not None}, full, M)
+    s = _in_layout(got["scales"], spec, M, H) if has_scales else out.scales
+    return NormQuantOutput(out.residual, got.get("y"), got.get("q"),
+                           s if spec is not None else None, None)
+
+
+def _gather(ws: Workspace, shards: dict, in_place: dict, M: int) -> dict:
+    """Every rank's rows of each shard [M_r, ...], in row order: {name: [M, ...]}, through the
+    peers in one launch (collectives/peergather.py) or by torch.distributed. in_place[name]: a
+    [N * S, ...] tensor (S = ceil(M / N)) that already holds this rank's rows (gathered in place:
+    no local copy)."""
+    from distnorm.collectives.peergather import gather_by_peers
+
+    group, world, rank = _group_of(ws)
+    S = -(-M // world)
+    fulls = {k: in_place[k] if k in in_place else t.new_empty((world * S,) + tuple(t.shape[1:]))
+             for k, t in shards.items()}
+    parts = [(fulls[k][rank * S:rank * S + t.shape[0]] if k in in_place else t, fulls[k])
+             for k, t in shards.items()]
+    if gather_by_peers(ws, parts, M):
+        return {k: f[:M] for k, f in fulls.items()}
+    return {k: gather_in_place(in_place[k], M, group) if k in in_place else
+            gather_rows(t, M, group) for k, t in shards.items()}
 
 
 def _output_specs(x: Tensor, residual, spec, norm_out: bool, gather: bool, world: int, rank: int):
@@ -236,7 +256,7 @@ def all_gather(t: Tensor, *, workspace: Workspace, rows: int) -> Tensor:
     if not isinstance(t, Tensor) or t.dim() < 1 or t.shape[0] != stop - start:
         raise ValueError(f"t must be this rank's shard of {rows} rows: {stop - start} rows, got "
                          f"{tuple(getattr(t, 'shape', ()))}")
-    return gather_rows(t, rows, group)
+    return _gather(workspace, {"t": t}, {}, rows)["t"]
 
 
 def all_gather_scales(scales: Tensor, *, workspace: Workspace, rows: int, hidden: int,
@@ -254,6 +274,6 @@ def all_gather_scales(scales: Tensor, *, workspace: Workspace, rows: int, hidden
         raise ValueError(f"quant={quant!r} has no scales output to gather")
     start, stop = slice_bounds(rows, world, rank)
     linear = scales_to_linear(scales, spec, stop - start, hidden)
-    full = gather_rows(linear, rows, group)
+    full = _gather(workspace, {"s": linear}, {}, rows)["s"]
     return _in_layout(full, spec, rows, hidden)
 

@@ -44,6 +44,7 @@ class AllReduceState:
         self.resets = 0
         self._signal_checked = False
         self._ones: dict = {}
+        self.row_gathers = 0  # launches of the row gather (collectives/peergather.py)
 
     @property
     def tuning(self) -> Tuning:

@@ -23,6 +23,7 @@ from cutlass import Float32, Int32, Int64
 from distnorm.kernels import compat
 from distnorm.kernels.allreduce import AllReduceAddRMSNormQuant
 from distnorm.kernels.compile import CUTE_DTYPES, fake_norm_quant_args, fake_rows
+from distnorm.kernels.rowgather import PeerRowGather
 from distnorm.collectives.plan import ALGORITHMS
 from distnorm.formats import QuantSpec
 from distnorm.kernels.tiling import RowTiling, choose_tiling
@@ -70,3 +71,19 @@ def compiled_allreduce(algo: str, world: int, dtype: str, hidden: int, quant: Qu
     stream = compat.make_fake_stream(use_tvm_ffi_env_stream=True)
     return kernel, (x, res, res_out, w, y, q, s, scale, gs, ar, bufp, sigp, err, Int32(0), Int32(1),
                     Float32(1e-6), Int64(1), stream)
+
+
+@compat.compiled_kernel(PeerRowGather)
+def compiled_rowgather(world: int, units: tuple) -> tuple:
+    """The compiled row gather (kernels/rowgather.py) for `world` ranks and one copy unit (16 or 4
+    bytes) per segment; call as f(buffer_ptrs, signal_ptrs, err, src0, dst0, rb0, src1, dst1, rb1,
+    src2, dst2, rb2, m, shard, row0, chunk_rows, rank, ctas, timeout_ns) with the addresses as
+    ints (segments past len(units): zeros)."""
+    kernel = PeerRowGather(world, tuple(units))
+    bufp = compat.make_fake_tensor(cutlass.Int64, (world,), (1,), assumed_align=8)
+    sigp = compat.make_fake_tensor(cutlass.Int64, (world,), (1,), assumed_align=8)
+    err = compat.make_fake_tensor(cutlass.Int32, (4,), (1,), assumed_align=16)
+    stream = compat.make_fake_stream(use_tvm_ffi_env_stream=True)
+    segs = (Int64(0), Int64(0), Int32(16)) * 3
+    return kernel, (bufp, sigp, err, *segs, Int32(1), Int32(1), Int32(0), Int32(1), Int32(0),
+                    Int32(1), Int64(1), stream)

@@ -234,11 +234,15 @@ SEQPAR_ROWS = (0, 1, 3, 127, 128, 129, 4099)  # uneven shards, 128-row scale til
 
 def _body_seqpar_rows() -> None:
     """The sequence-parallel op at the row counts its issue names (M = 0, 1, 3, 127, 128, 129,
-    4099; every format of QUANTS; H = 4096): by the reduce-scatter kernel (peer mappings) and by
-    torch.distributed, each rank's shard (residual, y, q, scales of its rows) and the rows
-    gathered with gather=True (y / q and scales in the full-M layout) bitwise those of
+    4099; every format of QUANTS; H = 4096): by the reduce-scatter kernel (peer mappings; rows
+    gathered by the row gather kernel and by torch.distributed) and by torch.distributed alone,
+    each rank's shard (residual, y, q, scales of its rows), the rows gathered with gather=True
+    (y, q and scales in the full-M layout) and by all_gather / all_gather_scales bitwise those of
     allreduce_add_rmsnorm on the same inputs."""
+    import dataclasses
+
     import distnorm
+    from distnorm.collectives.state import state_of
     from distnorm.comm import resolve_bootstrap
     from quant_check import quant_kwargs
 
@@ -263,26 +267,74 @@ def _body_seqpar_rows() -> None:
                 want = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=peer,
                                                       norm_out=True, **kw)
                 a, b = distnorm.shard_rows(M, peer)
-                for label, ws in (("kernel", peer), ("torch.distributed", nccl)):
+                for label, ws, gather_by in (("kernel", peer, "peers"),
+                                             ("kernel, NCCL gather", peer, "nccl"),
+                                             ("torch.distributed", nccl, "peers")):
                     tag = f"{name} M={M} {label}"
+                    state = state_of(ws)
+                    state.tuning = dataclasses.replace(state.tuning, gather_by=gather_by)
                     shard = distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, 1e-6,
                                                                 workspace=ws, norm_out=True, **kw)
-                    full = distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, 1e-6,
-                                                               workspace=ws, gather=True, **kw)
+                    # y, q and scales: the row gather's three segments
+                    launches = state.row_gathers
+                    full = distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, 1e-6, workspace=ws,
+                                                               gather=True, norm_out=True, **kw)
+                    by_peers = ws is peer and gather_by == "peers" and M > 0
+                    expect((state.row_gathers > launches) == by_peers,
+                           f"{tag}: row gather launched {state.row_gathers - launches} times")
                     expect(torch.equal(shard.residual, want.residual[a:b]), tag + " shard h")
                     expect(torch.equal(shard.y, want.y[a:b]), tag + " shard y")
+                    expect(torch.equal(full.y, want.y), tag + " gathered y")
+                    expect(torch.equal(distnorm.all_gather(shard.y, workspace=ws, rows=M), want.y),
+                           tag + " all_gather of the shards' y")
                     if quant is None:
-                        expect(torch.equal(full.y, want.y), tag + " gathered y")
                         continue
                     expect(torch.equal(_bytes(shard.q), _bytes(want.q[a:b])), tag + " shard q")
                     expect(torch.equal(_bytes(full.q), _bytes(want.q)), tag + " gathered q")
                     if quant != "fp8":
                         expect(torch.equal(_bytes(full.scales), _bytes(want.scales)),
                                tag + " gathered scales")
+                        scales = distnorm.all_gather_scales(shard.scales, workspace=ws, rows=M,
+                                                            hidden=H, quant=quant, **opts)
+                        expect(torch.equal(_bytes(scales), _bytes(want.scales)),
+                               tag + " all_gather_scales of the shards' scales")
+                state_of(peer).tuning = dataclasses.replace(state_of(peer).tuning,
+                                                            gather_by="peers")
         torch.cuda.synchronize()
         expect.raise_any()
+
+    def graph():
+        """gather=True through the peers replays in a CUDA graph (under gloo too: no
+        torch.distributed call on the way), new x each replay, bitwise the eager calls."""
+        H, M = 4096, 300
+        g = torch.Generator("cuda").manual_seed(peer.rank)
+        w = torch.rand(H, device="cuda", generator=g).to(torch.bfloat16) + 0.5
+        x = torch.randn(M, H, device="cuda", generator=g).to(torch.bfloat16)
+        a, b = distnorm.shard_rows(M, peer)
+        r = torch.randn(b - a, H, device="cuda", generator=g).to(torch.bfloat16)
+        gs = torch.tensor([448 * 6 / 12.0], device="cuda")
+
+        def f():
+            return distnorm.reduce_scatter_add_rmsnorm(x, r, w, workspace=peer, quant="nvfp4",
+                                                       global_scale=gs, gather=True, norm_out=True)
+        f()
+        torch.cuda.synchronize()
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            got = f()
+        for i in range(3):
+            x.copy_(torch.randn(M, H, device="cuda", generator=g).to(torch.bfloat16))
+            for t in (got.y, got.q, got.scales):
+                t.view(torch.uint8).fill_(0xA5)
+            cg.replay()
+            want = f()
+            torch.cuda.synchronize()
+            for field in ("residual", "y", "q", "scales"):
+                assert torch.equal(_bytes(getattr(got, field)), _bytes(getattr(want, field))), (
+                    f"replay {i}: {field} differs from the eager call")
     try:
         gathered_check(boot, check)
+        gathered_check(boot, graph)
     finally:
         peer.close()
         nccl.close()

@@ -18,7 +18,7 @@ sys.path[:0] = [os.path.dirname(_TESTS), _TESTS]
 from barrier_kernel import compiled_barrier_rounds, compiled_primitives_smoke  # noqa: E402
 from distnorm.formats import NO_QUANT, make_quant_spec  # noqa: E402
 from distnorm.kernels.compile import compiled_fused_norm  # noqa: E402
-from distnorm.kernels.compile_allreduce import compiled_allreduce  # noqa: E402
+from distnorm.kernels.compile_allreduce import compiled_allreduce, compiled_rowgather  # noqa: E402
 
 QUANTS = {
     "none": NO_QUANT, "fp8": make_quant_spec("fp8"), "pt": make_quant_spec("fp8_per_token"),
@@ -67,6 +67,10 @@ ALLREDUCE = [
     ("reducescatter", 8, "float16", 2000, "none", False, True, True, False, True, 0),
 ]
 
+# (world, copy unit per segment) of the row gather (kernels/rowgather.py): q alone; q, per-token
+# scales and y; world 4 and 8
+ROWGATHER = [(2, (16,)), (2, (16, 4, 16)), (4, (16, 4)), (8, (16, 16, 4))]
+
 
 def allreduce_args(v: tuple) -> tuple:
     """compiled_allreduce's arguments for an ALLREDUCE entry (its format named by QUANTS key)."""
@@ -90,6 +94,9 @@ def kernel_variants() -> list:
     for v in ALLREDUCE:
         variants.append(("ar_" + "_".join(str(a) for a in (*v[:4], QUANTS[v[4]].kind, *v[5:])),
                          lambda a=allreduce_args(v): compiled_allreduce(*a)))
+    for world, units in ROWGATHER:
+        variants.append((f"rowgather_{world}_" + "_".join(map(str, units)),
+                         lambda w=world, u=units: compiled_rowgather(w, u)))
     for world in (2, 4, 8):
         for barrier_only in (False, True):
             variants.append((f"barrier_{world}_{barrier_only}",

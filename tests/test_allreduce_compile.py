@@ -10,19 +10,39 @@ import pytest
 from cute_compile import compile_in_subprocess
 
 BODY = """
-from distnorm.kernels.compile_allreduce import compiled_allreduce
-from ptx_fingerprint import ALLREDUCE, allreduce_args
+from distnorm.kernels.compile_allreduce import compiled_allreduce, compiled_rowgather
+from ptx_fingerprint import ALLREDUCE, ROWGATHER, allreduce_args
 for v in ALLREDUCE:  # the variants the oldest-DSL check compiles too
     compiled_allreduce(*allreduce_args(v))
     done.append(v[:2])
+for world, units in ROWGATHER:
+    compiled_rowgather(world, units)
+    done.append(world)
 """
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_allreduce_kernels_compile(arch):
     compiled = compile_in_subprocess(BODY, arch)  # first: it skips where CuTe DSL is missing
-    from ptx_fingerprint import ALLREDUCE
-    assert compiled == len(ALLREDUCE)
+    from ptx_fingerprint import ALLREDUCE, ROWGATHER
+    assert compiled == len(ALLREDUCE) + len(ROWGATHER)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("row_sizes", [[4096], [8192, 4, 16384], [2048, 128], [16]])
+@pytest.mark.parametrize("buffer_bytes", [32 << 20, 64 << 20, (16 << 20) + 4096 + 48, 1 << 16])
+def test_row_gather_chunk_fits_exactly(world, row_sizes, buffer_bytes):
+    """The row gather's chunk: every segment's [world][rows] area (16-byte aligned, one after the
+    other) fits the part of the buffer before the lamport areas, and one more row would not."""
+    from distnorm.collectives.layout import lamport_split
+    from distnorm.collectives.peergather import _chunk_rows, copy_unit
+    from distnorm.kernels.rowgather import area_bytes
+    general, _ = lamport_split(buffer_bytes)
+    rows = _chunk_rows(world, row_sizes, buffer_bytes)
+    assert sum(area_bytes(world, rows, rb) for rb in row_sizes) <= general
+    assert sum(area_bytes(world, rows + 1, rb) for rb in row_sizes) > general
+    assert [copy_unit(rb) for rb in row_sizes] == [16 if rb % 16 == 0 else 4 for rb in row_sizes]
+    assert copy_unit(90) is None  # MX scales at H = 2880: torch.distributed gathers them
 
 
 # --- buffer split and capacities (host arithmetic, no GPU) -----------------------------------------

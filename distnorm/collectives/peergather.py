@@ -31,7 +31,7 @@ def _chunk_rows(world: int, row_sizes: Sequence[int], buffer_bytes: int) -> int:
     """Most rows per shard one launch moves: every segment's [world][rows] area in the part of
     the data buffer before the lamport areas."""
     general, _ = lamport_split(buffer_bytes)
-    rows = (general - 16 * len(row_sizes)) // (world * sum(row_sizes))
+    rows = general // (world * sum(row_sizes))  # each area takes at least its rows' bytes
     while rows > 0 and sum(area_bytes(world, rows, rb) for rb in row_sizes) > general:
         rows -= 1
     return rows

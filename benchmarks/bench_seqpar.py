@@ -2,7 +2,9 @@
 gathered for the next GEMM, side by side in one run with the unfused chain and all-reduce alone:
 
     dn_rs_<fmt>_gather  distnorm.reduce_scatter_add_rmsnorm(..., gather=True): q / scales of all M
-                        rows on every rank, the residual shard updated
+                        rows on every rank, the residual shard updated (gathered through the peers:
+                        kernels/rowgather.py)
+    dn_rs_<fmt>_gather_nccl  the same, gathered by NCCL all_gather (Tuning.gather_by = "nccl")
     dn_rs_<fmt>         the same without the gather (the shard's outputs only)
     unfused_fp8         NCCL reduce_scatter + add + RMSNorm + static FP8 in torch + NCCL all_gather
                         of the FP8 bytes (what a sequence-parallel layer writes without distnorm)
@@ -80,6 +82,21 @@ def outputs_match(x, res, w, ws) -> bool:
     return bool(ok)
 
 
+def gathered_by(ws, how: str, call):
+    """call() with the workspace's Tuning.gather_by set to `how` (restored after)."""
+    import dataclasses
+
+    from distnorm.collectives.state import state_of
+
+    state = state_of(ws)
+    kept = state.tuning
+    state.tuning = dataclasses.replace(kept, gather_by=how)
+    try:
+        return call()
+    finally:
+        state.tuning = kept
+
+
 def cases(x, res, w, ws, nccl: bool, symm, compiled_tail) -> dict:
     """name -> callable of one call (module docstring)."""
     M, H = x.shape
@@ -91,6 +108,9 @@ def cases(x, res, w, ws, nccl: bool, symm, compiled_tail) -> dict:
         kw = format_kwargs(fmt, x.device)
         c[f"dn_rs_{fmt}_gather"] = lambda kw=kw: distnorm.reduce_scatter_add_rmsnorm(
             x, res_shard, w, EPS, workspace=ws, gather=True, **kw)
+        c[f"dn_rs_{fmt}_gather_nccl"] = lambda kw=kw: gathered_by(ws, "nccl", lambda: (
+            distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws, gather=True,
+                                                **kw)))
         c[f"dn_rs_{fmt}"] = lambda kw=kw: distnorm.reduce_scatter_add_rmsnorm(
             x, res_shard, w, EPS, workspace=ws, **kw)
     fp8 = format_kwargs("fp8", x.device)
@@ -216,6 +236,7 @@ def write_plot(path: str, meta: dict, rows: list) -> None:
     plot_us_per_m(path, meta, rows, [
         ("distnorm RS+norm+FP8, gathered", "-", lambda r: r.get("dn_rs_fp8_gather")),
         ("distnorm RS+norm+NVFP4, gathered", "-", lambda r: r.get("dn_rs_nvfp4_gather")),
+        ("distnorm RS+norm+FP8, NCCL gather", ":", lambda r: r.get("dn_rs_fp8_gather_nccl")),
         ("NCCL RS + torch add/norm/FP8 + NCCL gather", "--", lambda r: r.get("unfused_fp8")),
         ("the same, torch part compiled", "--", lambda r: r.get("unfused_fp8_comp")),
         ("distnorm fused all-reduce+norm+FP8", ":", lambda r: r.get("dn_ar_fp8")),

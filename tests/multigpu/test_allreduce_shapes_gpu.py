@@ -1,0 +1,62 @@
+"""Multi-GPU tests of the fused all-reduce kernels at activation dtypes and hidden sizes the grids
+of test_allreduce_gpu.py do not build (its docstring says how to run them; the same launchers, the
+same checks: tests/multigpu/allreduce_cases.py).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from allreduce_cases import BUFFER_BYTES, checked_on_every_rank, group_bootstrap
+from harness import MULTIGPU_MARKS
+from distnorm.launch import run_distributed
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # quant_check
+
+pytestmark = MULTIGPU_MARKS
+FULL = os.environ.get("DISTNORM_FULL") == "1"
+TIMEOUT_S = 900 if FULL else 400
+ALGOS = ("oneshot", "twoshot", "lamport")
+
+
+def _body_fp16() -> None:
+    """fp16 activations through every algorithm (the grids run bf16). The kernels move fp16 rows
+    as packed words and widen both halves of each word (NormQuantCore.word_values), so a half
+    taken from the wrong word or position shows here."""
+    from distnorm.comm import Workspace
+    boot = group_bootstrap()
+    with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
+        for algo in ALGOS:
+            for qname in ("none", "fp8_per_token", "nvfp4"):
+                for M in (1, 300):
+                    checked_on_every_rank(boot, ws, f"fp16 {algo} {qname} M={M}", algo, qname,
+                                           M, 4096, 9000 + M, torch.float16)
+        ws.barrier()
+
+
+def _body_model_sizes() -> None:
+    """Hidden sizes of released models whose row tilings the grids never build: 896 (Qwen2.5-0.5B)
+    and 2880 (gpt-oss) leave a ragged tail of vectors, 5376 (Gemma 3 27B) has 3 vectors per
+    thread; every algorithm and three formats, each pair at one of the sizes (all three with
+    DISTNORM_FULL=1: a kernel compiles per algorithm, format and size), 1 and 300 rows."""
+    from distnorm.comm import Workspace
+    boot = group_bootstrap()
+    sizes = (896, 2880, 5376)
+    with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
+        for i, algo in enumerate(ALGOS):
+            for j, qname in enumerate(("none", "fp8_per_token", "nvfp4")):
+                for H in sizes if FULL else sizes[(i + j) % 3:(i + j) % 3 + 1]:
+                    for M in (1, 300):
+                        checked_on_every_rank(boot, ws, f"{algo} {qname} M={M} H={H}", algo,
+                                               qname, M, H, 7000 + H + M)
+        ws.barrier()
+
+
+def test_fp16_activations():
+    run_distributed(_body_fp16, timeout_s=TIMEOUT_S)
+
+
+def test_model_hidden_sizes():
+    run_distributed(_body_model_sizes, timeout_s=TIMEOUT_S)

@@ -1,7 +1,7 @@
 """The shared cases of the fused all-reduce GPU tests: inputs (seeded per rank, with +-B terms that
 expose the summation order), the formats' arguments, poisoned outputs, one call checked against the
-reference and compared across ranks. Used by test_allreduce_gpu.py, test_allreduce_shapes_gpu.py and test_forms_gpu.py;
-everything here runs on every rank of run_distributed's group.
+reference and compared across ranks. Used by test_allreduce_gpu.py, test_allreduce_shapes_gpu.py
+and test_forms_gpu.py; everything here runs on every rank of run_distributed's group.
 """
 from __future__ import annotations
 

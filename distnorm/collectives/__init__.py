@@ -11,6 +11,7 @@
     rowsplit.py  collectives by row slices over torch.distributed (the path without peer memory)
     nodechain.py the same path as a chain of nodes (Workspace(ranks_per_node=G), opt-in)
     seqpar.py    the sequence-parallel ops (reduce-scatter + norm-quant, all-gather)
+    peergather.py their all-gathers through the peer mappings (the row gather kernel)
 """
 from distnorm.collectives.ops import allreduce, allreduce_add_rmsnorm, check, reset
 from distnorm.collectives.seqpar import (all_gather, all_gather_scales,

@@ -77,8 +77,8 @@ def gather_by_peers(ws, parts: Sequence[tuple[Tensor, Tensor]], M: int) -> bool:
     state.check_signal_pad(ws)
     raise_if_failed(ws)
     sms = torch.cuda.get_device_properties(ws.device).multi_processor_count
-    units_per_row = max(-(-chunk * rb // u) for rb, u in zip(sizes, units))
-    ctas = max(1, min(state.tuning.ctas("rowgather", sms), -(-units_per_row // THREADS)))
+    units_per_slice = max(-(-chunk * rb // u) for rb, u in zip(sizes, units))  # of a chunk
+    ctas = max(1, min(state.tuning.ctas("rowgather", sms), -(-units_per_slice // THREADS)))
     args = []
     for k in range(MAX_SEGMENTS):
         args += [*segs[k], sizes[k]] if k < len(segs) else [0, 0, 16]

@@ -150,3 +150,31 @@ def test_planned_calls_are_kept_per_shape(monkeypatch):
                                                      False, False)
         assert call.kernel[1][0] == call.algo
     assert len(st._calls) <= 3  # M = 100000 made the fourth plan: the cache started over
+
+
+def test_row_gather_declines_what_it_cannot_gather():
+    """gather_by_peers returns False (the caller uses torch.distributed), launching nothing,
+    without peer mappings, for CPU tensors, with Tuning.gather_by = "nccl" and for no or more than
+    three tensors (rows no copy unit divides: test_row_gather_chunk_fits_exactly's copy_unit)."""
+    import types
+
+    import torch
+
+    from distnorm.collectives.peergather import gather_by_peers
+    from distnorm.collectives.plan import Tuning
+    from distnorm.collectives.state import AllReduceState
+
+    def ws(p2p=True, gather_by="peers"):
+        state = AllReduceState(Tuning(gather_by=gather_by))
+        return types.SimpleNamespace(p2p_ok=p2p, op_state=lambda name, factory: state,
+                                     world_size=2, rank=0, buffer_bytes=64 << 20)
+
+    q = torch.zeros(3, 64, dtype=torch.uint8)
+    full = torch.zeros(6, 64, dtype=torch.uint8)
+    assert not gather_by_peers(ws(p2p=False), [(q, full)], 5)
+    assert not gather_by_peers(ws(), [(q, full)], 5)  # CPU tensors
+    assert not gather_by_peers(ws(gather_by="nccl"), [(q, full)], 5)
+    assert not gather_by_peers(ws(), [(q, full)] * 4, 5)
+    assert not gather_by_peers(ws(), [], 5)
+    with pytest.raises(ValueError, match="gather_by"):
+        Tuning(gather_by="nvlink")

@@ -402,7 +402,7 @@ class NormQuantCore(BlockScales, SplitParts):
         if const_expr(self.write_y):
             if row_valid:
                 self.store_row(rY, cute.zipped_divide(mY[row, None], (VEC,)), lane, mY.element_type,
-                               part, cols)
+                               None, cols)
         if const_expr(self.q.info.scales != "none"):
             self._quantize(rY, cols, row, row_valid, scale_valid, lane, row_in_cta, mQ, mS,
                            static_inv, global_scale, bufs, part, row_amax)
@@ -436,7 +436,7 @@ class NormQuantCore(BlockScales, SplitParts):
         if const_expr(q.kind == "nvfp4"):
             rcp_gs = ptx.rcp_rn(global_scale)  # once per row, not per block
         if const_expr(q.info.scales == "static"):
-            self._store_q_columns(rY, cols, static_inv, tQ, lane, row_valid, part)
+            self._store_q_columns(rY, cols, static_inv, tQ, lane, row_valid)
         elif const_expr(q.info.scales == "row"):
             amax = row_amax
             if const_expr(row_amax is None):
@@ -444,7 +444,7 @@ class NormQuantCore(BlockScales, SplitParts):
             stored, inv = self._block_scale(amax, global_scale, rcp_gs)
             if lane == 0 and row_valid and self._mine(0, part):
                 self._store_scale(mS, row, Int32(0), stored)
-            self._store_q_columns(rY, cols, inv, tQ, lane, row_valid, part)
+            self._store_q_columns(rY, cols, inv, tQ, lane, row_valid)
         else:  # blocked formats: a block is `lanes` consecutive lanes of one vector column j
             lanes = q.group_size // VEC
             group = self._scale_group(lanes, len(cols))
@@ -479,14 +479,14 @@ class NormQuantCore(BlockScales, SplitParts):
                     self._zero_padding_columns(mS, row)
 
     @cute.jit
-    def _store_q_columns(self, rY, cols: list, inv: Float32, tQ, lane: Int32, row_valid, part):
-        """q of every vector of rY (columns `cols`) scaled by one multiplier (static / per-token
-        scales); with Python-int columns and a part, only the part's (NOTE [split rows])."""
+    def _store_q_columns(self, rY, cols: list, inv: Float32, tQ, lane: Int32, row_valid):
+        """q of every vector of rY (columns `cols`: a split part's are its own) scaled by one
+        multiplier (static / per-token scales)."""
         t = self.t
         for k in cutlass.range_constexpr(len(cols)):
             v = lane + cols[k] * t.row_threads
             if const_expr(self._columns_exact(cols)) or v < t.vecs:
-                if row_valid and self._mine(cols[k], part):
+                if row_valid:
                     self._store_q(rY, k, inv, tQ, v)
 
     @cute.jit

@@ -83,6 +83,11 @@ class PeerRowGather:
         return rows
 
     @cute.jit
+    def _chunks(self, crows: Int32, rb64: Int64, unit: cutlass.Constexpr) -> Int32:
+        """THREADS-unit chunks of one shard's rows of a launch (the same on every rank)."""
+        return Int32((Int64(crows) * rb64 // Int64(unit) + Int64(THREADS - 1)) // THREADS)
+
+    @cute.jit
     def _area(self, crows: Int32, rb64: Int64) -> Int64:
         """area_bytes(world, crows, row bytes) at run time."""
         return (Int64(self.world) * Int64(crows) * rb64 + Int64(15)) // Int64(16) * Int64(16)
@@ -121,7 +126,7 @@ class PeerRowGather:
             unit = self.units[k]
             rb64 = Int64(rb)
             units_mine = Int32(Int64(mine) * rb64 // Int64(unit))
-            chunks = Int32((Int64(crows) * rb64 // Int64(unit) + Int64(THREADS - 1)) // THREADS)
+            chunks = self._chunks(crows, rb64, unit)
             area = base + Int64(rank) * Int64(crows) * rb64
             my_src = src + Int64(row0) * rb64
             my_dst = dst + (Int64(rank) * Int64(shard) + Int64(row0)) * rb64
@@ -145,7 +150,7 @@ class PeerRowGather:
             src, dst, rb = segs[k]
             unit = self.units[k]
             rb64 = Int64(rb)
-            chunks = Int32((Int64(crows) * rb64 // Int64(unit) + Int64(THREADS - 1)) // THREADS)
+            chunks = self._chunks(crows, rb64, unit)
             if failed != Int32(0):
                 chunks = Int32(0)
             for c in range(bidx, chunks, nblk):

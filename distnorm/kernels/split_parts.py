@@ -35,10 +35,12 @@ class SplitParts:
     # ragged nv) it holds any value and is never stored. Per-token scales need every y for the
     # row amax: their y is made for every vector and compacted after the amax. (Stores behind a
     # branch per vector were miscompiled: per-token FP8 at H = 2880, 2 parts, bf16, CuTe DSL 4.3.5
-    # stored vector 1's y in vector 2's place, the two parts' stores merged into one with only
-    # the address selected by part; the same for static FP8 before it was compacted.) SASS instructions (sm_90a; registers): NVFP4 at H = 4096,
-    # 4 parts 1152 -> 736 (64 -> 50), per-group FP8 at H = 32768, cluster 4, 4 parts 1480 -> 840
-    # (116 -> 91). Measured on H200 (benchmarks/results/compact_parts_ab_h200.md, M = 1-48): split
+    # and 4.8.1 stored vector 1's y in vector 2's place, the two parts' stores merged into one
+    # with only the address selected by part; the same for static FP8 before it was compacted.
+    # Only the residual row, stored in the fused kernel before the epilogue, still goes by part:
+    # rejected_single_gpu_ab_h200.md section 12.) SASS instructions (sm_90a; registers): NVFP4 at
+    # H = 4096, 4 parts 1152 -> 736 (64 -> 50), per-group FP8 at H = 32768, cluster 4, 4 parts
+    # 1480 -> 840 (116 -> 91). Measured on H200 (benchmarks/results/compact_parts_ab_h200.md, M = 1-48): split
     # calls up to 13% faster (MXFP4 1 x 32768 2.23 -> 1.93 us, per-group FP8 2.28 -> 2.00), NVFP4
     # at 1 x 32768 +2.7%. Kernels without a split are unchanged (the same PTX).
     def part_columns(self, part) -> list:

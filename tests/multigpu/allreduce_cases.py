@@ -6,6 +6,7 @@ and test_forms_gpu.py; everything here runs on every rank of run_distributed's g
 from __future__ import annotations
 
 import hashlib
+import os
 
 import torch
 
@@ -13,6 +14,9 @@ from harness import all_gather_tensors as _all_gather, gathered_check as _gather
 
 MiB = 1 << 20
 BUFFER_BYTES = 32 * MiB
+ALGOS = ("oneshot", "twoshot", "lamport")  # the all-reduce kernels (algo="auto" picks among them)
+FULL = os.environ.get("DISTNORM_FULL") == "1"
+TIMEOUT_S = 900 if FULL else 400  # of one run_distributed test
 
 QUANTS = {
     "none": (None, {}),

@@ -26,8 +26,9 @@ import sys
 import pytest
 import torch
 
-from allreduce_cases import (BUFFER_BYTES, QUANTS, algo_capacity_rows, checked_on_every_rank,
-                             group_bootstrap, make_inputs, poisoned_outs, quant_kwargs, quant_spec)
+from allreduce_cases import (ALGOS, BUFFER_BYTES, FULL, QUANTS, TIMEOUT_S, algo_capacity_rows,
+                             checked_on_every_rank, group_bootstrap, make_inputs, poisoned_outs,
+                             quant_kwargs, quant_spec)
 from harness import (MULTIGPU_MARKS, Expectations, all_gather_tensors as _all_gather,
                      gathered_check as _gathered_check)
 from distnorm.launch import run_distributed
@@ -35,12 +36,9 @@ from distnorm.launch import run_distributed
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = MULTIGPU_MARKS
-FULL = os.environ.get("DISTNORM_FULL") == "1"
 QUICK = os.environ.get("DISTNORM_QUICK") == "1"  # e.g. 4 or 8 ranks sharing one GPU
 GRAPH_REPLAYS = 100 if QUICK else 1000
 BACK_TO_BACK_CALLS = 1000 if QUICK else 10_000
-TIMEOUT_S = 900 if FULL else 400
-ALGOS = ("oneshot", "twoshot", "lamport")
 if FULL:  # every format of the issue; the default grid keeps five of them
     QUANTS.update({"fp8_per_group": ("fp8_per_group", {}),
                    "nvfp4_linear": ("nvfp4", {"sf_layout": "linear"}),

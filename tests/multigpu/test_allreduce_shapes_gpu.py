@@ -9,16 +9,14 @@ import sys
 
 import torch
 
-from allreduce_cases import BUFFER_BYTES, checked_on_every_rank, group_bootstrap
+from allreduce_cases import (ALGOS, BUFFER_BYTES, FULL, TIMEOUT_S, checked_on_every_rank,
+                             group_bootstrap)
 from harness import MULTIGPU_MARKS
 from distnorm.launch import run_distributed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # quant_check
 
 pytestmark = MULTIGPU_MARKS
-FULL = os.environ.get("DISTNORM_FULL") == "1"
-TIMEOUT_S = 900 if FULL else 400
-ALGOS = ("oneshot", "twoshot", "lamport")
 
 
 def _body_fp16() -> None:

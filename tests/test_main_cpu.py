@@ -15,7 +15,7 @@ from distnorm import __main__ as main_module
 from distnorm.comm import Workspace
 from distnorm.demo import multigpu, single
 from distnorm.demo.cases import DemoConfig, make_inputs, quant_kwargs, select_cases, split_by_hidden
-from distnorm.demo.check import compare
+from distnorm.demo.check import FLOAT_SCALE_ULPS, compare
 from distnorm.demo.table import Row, render
 from distnorm.formats import FORMATS, format_variants
 from distnorm.launch import spawn
@@ -201,6 +201,12 @@ def test_compare_bounds():
     scales = _copy(ref)
     scales.scales.view(torch.uint8)[0, 0] += 2  # two UE8M0 steps
     assert "scales differ by more than one step" in compare(scales, ref, case.spec).problem
+    case, ref = _ref_and_case("fp8_per_group128_row")  # float32 scales: FLOAT_SCALE_ULPS relative
+    for ulps, ok in ((FLOAT_SCALE_ULPS - 2, True), (2 * FLOAT_SCALE_ULPS, False)):
+        nudged = _copy(ref)
+        nudged.scales[0, 0] *= 1 + ulps * torch.finfo(torch.float32).eps
+        problem = compare(nudged, ref, case.spec).problem
+        assert ("float32 scales differ" in problem) != ok, (ulps, problem)
     case, ref = _ref_and_case("none")
     y = _copy(ref)
     y.y[0, 0] = y.y[0, 0] * 1.1

@@ -278,7 +278,8 @@ def test_split_rows_store_one_ctas_bits(variant, cluster, split, H, dtype):
         kernel = compiled_fused_norm(DTYPE_NAMES[DTYPES[dtype]], H, formats.kernel_spec(spec),
                                      True, False, True, cluster, True, s)
         kernel(x, res, *outs[:1], w, *outs[1:], kw.get("scale"), kw.get("global_scale"), 1e-6)
-        got.append([t.view(torch.uint8) for t in outs if t is not None])
+        # .contiguous(): column-major scales ([M, G] with strides (1, M)) have no byte view
+        got.append([t.contiguous().view(torch.uint8) for t in outs if t is not None])
         if s == 1:
             _, y, q, scales = outs
     torch.cuda.synchronize()

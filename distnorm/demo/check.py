@@ -4,7 +4,7 @@ lets kernels differ only in the float32 reduction order of the mean square and t
 - residual: bitwise equal (the same single rounding of the same float32 sum);
 - y = T(y): within 1 ulp of T;
 - quantized codes: >= 99.9% equal;
-- scales: float32 per-token / per-group within 4 ulps; otherwise >= 99.9% equal and the rest one
+- scales: float32 per-token / per-group within FLOAT_SCALE_ULPS (8) ulps; otherwise >= 99.9% equal and the rest one
   step apart (e4m3 / UE8M0 code +-1, or a factor 2 for UE8M0-rounded float32 scales).
 """
 from __future__ import annotations
@@ -18,6 +18,12 @@ from torch import Tensor
 from distnorm.formats import NormQuantOutput, QuantSpec, unpack_fp4
 
 MATCH_FRACTION = 0.999
+# A float32 scale is amax|y| / 448 and y = (h * r) * w with r = rsqrt(ms + eps): r may differ by the
+# rsqrt approximation (<= 2 ulps) plus half of ms's reduction-order difference (a few ulps of ms),
+# and the two products and the division each round on their own, so a kernel's scale can be ~5-6
+# ulps (relative, 2^-23 of the reference's scale) from the reference's. 4 was once the bound: the
+# 2-rank all-reduce grid at M = 8192, H = 4096 (seed 84) had 2 of 262144 per-group scales at 5 ulps.
+FLOAT_SCALE_ULPS = 8
 
 
 @dataclass(frozen=True)
@@ -61,8 +67,14 @@ def scales_problem(s: Tensor, s_ref: Tensor, spec: QuantSpec) -> str:
         if torch.isnan(a).any():
             return "scales have NaN (unwritten?)"
         if not spec.scale_ue8m0:  # amax inherits y's few-ulp freedom: no exact-match bound
-            far = int(((a - b).abs() > 4 * torch.finfo(torch.float32).eps * b.abs()).sum())
-            return f"{far} float32 scales differ by more than 4 ulps" if far else ""
+            ulps = (a - b).abs() / (torch.finfo(torch.float32).eps * b.abs())
+            far = int((ulps > FLOAT_SCALE_ULPS).sum())
+            if not far:
+                return ""
+            worst = int(ulps.flatten().nan_to_num(0).argmax())
+            return (f"{far} float32 scales differ by more than {FLOAT_SCALE_ULPS} ulps (the most: "
+                    f"{ulps.max().item():.1f} ulps,"
+                    f" {a.flatten()[worst].item()!r} against {b.flatten()[worst].item()!r})")
         eq = a == b
         near = eq | (a == 2 * b) | (2 * a == b)
     else:

@@ -190,3 +190,40 @@ assert pc.wait_for([bad], 5.0)  # settled: its failure marker is there
 def test_a_kernel_that_fails_to_compile_does_not_stall_the_others(tmp_path):
     assert compile_in_subprocess(_PRECOMPILE_A_BAD_KEY, kernel_cache=str(tmp_path / "k")) == 0
     assert [f for f in os.listdir(tmp_path / "k") if f.endswith(".failed")]
+
+
+def test_multi_gpu_tests_list_the_kernels_they_launch(monkeypatch, tmp_path):
+    """The multi-GPU files whose kernels compiled one at a time inside the tests (about 55 s of each
+    rank's suite on 2 x H200) list them for tests/conftest.py's precompile: one key per kernel the
+    test launches at world 2 (one per algorithm, format, H and dtype, and the plain allreduce of
+    "none"), each one a key the kernel cache can name."""
+    import importlib
+    import sys
+
+    pytest.importorskip("cutlass")
+    from distnorm.kernels import disk_cache
+    from distnorm.kernels.precompile import cached_path
+
+    monkeypatch.setenv(disk_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(importlib.import_module("distnorm.launch.spawn"), "launch_world_size",
+                        lambda: 2)
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "multigpu"))
+    shapes = importlib.import_module("test_allreduce_shapes_gpu")
+    faults = importlib.import_module("test_faults_gpu")
+    want = {(shapes, "test_fp16_activations"): 12, (shapes, "test_model_hidden_sizes"): 12,
+            (faults, "test_mismatched_calls_then_recovery"): 11,
+            (faults, "test_rank_that_leaves"): 3, (faults, "test_something_else"): 0}
+    for (module, test), n in want.items():
+        keys = module.kernel_keys(test, {})
+        assert len(keys) == len(set(keys)) == n, (test, keys)
+        for key in keys:
+            assert key[0] == "allreduce" and key[2] == 2, key
+            assert cached_path(key).parent == tmp_path  # a key the cache can name
+    fp16 = shapes.kernel_keys("test_fp16_activations", {})
+    assert {k[3] for k in fp16} == {"float16"} and {k[4] for k in fp16} == {4096}
+    assert {k[4] for k in shapes.kernel_keys("test_model_hidden_sizes", {})} <= {896, 2880, 5376}
+    monkeypatch.setattr(importlib.import_module("distnorm.launch.spawn"), "launch_world_size",
+                        lambda: 1)
+    assert shapes.kernel_keys("test_fp16_activations", {}) == []
+    sys.modules.pop("test_allreduce_shapes_gpu", None)
+    sys.modules.pop("test_faults_gpu", None)

@@ -81,6 +81,30 @@ def poisoned_outs(spec, M, H, dtype):
     return outs
 
 
+def launched_key(world, algo, M, H, spec, residual, write_y, write_ar, dtype=torch.bfloat16,
+                 buffer_bytes=BUFFER_BYTES) -> tuple:
+    """The kernel (a distnorm.kernels.precompile key) one all-reduce call of M x H launches: plan_launch
+    resolves "auto" and the lamport fallbacks as the call does. No CUDA: usable where the test files'
+    kernel_keys list what tests/conftest.py compiles ahead."""
+    from distnorm.collectives.dispatch import allreduce_kernel_key
+    from distnorm.collectives.plan import plan_launch
+    swizzled = spec is not None and spec.swizzled
+    algo, _ = plan_launch(algo, world, M, H, dtype.itemsize, buffer_bytes, swizzled,
+                          write_ar and residual, not (residual or write_y or spec is not None))
+    return ("allreduce", *allreduce_kernel_key(algo, world, dtype, H, spec, residual, False,
+                                               write_y, write_ar))
+
+
+def one_case_keys(world, algo, qname, M, H, dtype=torch.bfloat16) -> list:
+    """The kernels one_case launches: the fused call (residual, y and the all-reduce written) and,
+    for "none", the plain allreduce()."""
+    spec = quant_spec(qname)
+    keys = [launched_key(world, algo, M, H, spec, True, True, True, dtype)]
+    if qname == "none":
+        keys.append(launched_key(world, algo, M, H, None, False, False, True, dtype))
+    return keys
+
+
 def check_outputs(out, ref, spec, kw, M, H):
     from quant_check import assert_quant_close, assert_y_close
     assert torch.equal(out.residual.view(torch.int16), ref.residual.view(torch.int16)), \

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from allreduce_cases import (ALGOS, BUFFER_BYTES, FULL, QUANTS, TIMEOUT_S, algo_capacity_rows,
-                             checked_on_every_rank, group_bootstrap, make_inputs, poisoned_outs,
-                             quant_kwargs, quant_spec)
+                             checked_on_every_rank, group_bootstrap, launched_key, make_inputs,
+                             poisoned_outs, quant_kwargs, quant_spec)
 from harness import (MULTIGPU_MARKS, Expectations, all_gather_tensors as _all_gather,
                      gathered_check as _gathered_check)
 from distnorm.launch import run_distributed
@@ -465,7 +465,6 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     and back-to-back tests: tests/conftest.py compiles them ahead, in parallel (a key missed here
     is compiled where it is used)."""
     from distnorm.collectives.dispatch import allreduce_kernel_key
-    from distnorm.collectives.plan import plan_launch
     from distnorm.launch.spawn import launch_world_size
     from distnorm.ops import fused_kernel_key
 
@@ -485,12 +484,8 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
                                                     False, True)) for H in HIDDEN_OF[algo]]
         return keys + [fused(algo, H, quant_spec(q)) for H in HIDDEN_OF[algo] for q in QUANTS]
     def launched(algo, M, H, spec, residual, write_y, write_ar, buffer_bytes=BUFFER_BYTES):
-        """The kernel run_kernel launches for one call (plan_launch resolves auto and fallbacks)."""
-        swizzled = spec is not None and spec.swizzled
-        algo, _ = plan_launch(algo, world, M, H, 2, buffer_bytes, swizzled, write_ar and residual,
-                              not (residual or write_y or spec is not None))
-        return ("allreduce", *allreduce_kernel_key(algo, world, bf16, H, spec, residual, False,
-                                                   write_y, write_ar))
+        return launched_key(world, algo, M, H, spec, residual, write_y, write_ar, bf16,
+                            buffer_bytes)
     if test == "test_eager_path_skips_python_checks_and_keeps_errors":
         return [launched(algo, 5, 4096, formats.make_quant_spec(quant), True, True, ar)
                 for algo in ALGOS for quant, _, ar in EAGER_CASES] + [

@@ -10,13 +10,29 @@ import sys
 import torch
 
 from allreduce_cases import (ALGOS, BUFFER_BYTES, FULL, TIMEOUT_S, checked_on_every_rank,
-                             group_bootstrap)
+                             group_bootstrap, one_case_keys)
 from harness import MULTIGPU_MARKS
 from distnorm.launch import run_distributed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # quant_check
 
 pytestmark = MULTIGPU_MARKS
+
+
+FP16_QUANTS = ("none", "fp8_per_token", "nvfp4")
+MODEL_QUANTS = ("none", "fp8_per_token", "nvfp4")
+MODEL_SIZES = (896, 2880, 5376)
+ROWS = (1, 300)
+
+
+def _model_cases():
+    """(algo, format, H) of the model-size test: each pair at one of the sizes, all three with
+    DISTNORM_FULL=1 (a kernel compiles per algorithm, format and size)."""
+    for i, algo in enumerate(ALGOS):
+        for j, qname in enumerate(MODEL_QUANTS):
+            k = (i + j) % len(MODEL_SIZES)
+            for H in MODEL_SIZES if FULL else MODEL_SIZES[k:k + 1]:
+                yield algo, qname, H
 
 
 def _body_fp16() -> None:
@@ -27,8 +43,8 @@ def _body_fp16() -> None:
     boot = group_bootstrap()
     with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
         for algo in ALGOS:
-            for qname in ("none", "fp8_per_token", "nvfp4"):
-                for M in (1, 300):
+            for qname in FP16_QUANTS:
+                for M in ROWS:
                     checked_on_every_rank(boot, ws, f"fp16 {algo} {qname} M={M}", algo, qname,
                                            M, 4096, 9000 + M, torch.float16)
         ws.barrier()
@@ -41,15 +57,30 @@ def _body_model_sizes() -> None:
     DISTNORM_FULL=1: a kernel compiles per algorithm, format and size), 1 and 300 rows."""
     from distnorm.comm import Workspace
     boot = group_bootstrap()
-    sizes = (896, 2880, 5376)
     with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
-        for i, algo in enumerate(ALGOS):
-            for j, qname in enumerate(("none", "fp8_per_token", "nvfp4")):
-                for H in sizes if FULL else sizes[(i + j) % 3:(i + j) % 3 + 1]:
-                    for M in (1, 300):
-                        checked_on_every_rank(boot, ws, f"{algo} {qname} M={M} H={H}", algo,
-                                               qname, M, H, 7000 + H + M)
+        for algo, qname, H in _model_cases():
+            for M in ROWS:
+                checked_on_every_rank(boot, ws, f"{algo} {qname} M={M} H={H}", algo, qname, M, H,
+                                       7000 + H + M)
         ws.barrier()
+
+
+def kernel_keys(test: str, params: dict) -> list[tuple]:
+    """The kernels of both tests (distnorm.kernels.precompile keys): tests/conftest.py compiles
+    them ahead, spread over the ranks, instead of one at a time inside the tests (about 40 s of
+    each rank's suite on 2 x H200). A key missed here is compiled where it is used."""
+    from distnorm.launch.spawn import launch_world_size
+    world = launch_world_size()
+    if world < 2:
+        return []
+    if test == "test_fp16_activations":
+        cases = [(algo, qname, 4096, torch.float16) for algo in ALGOS for qname in FP16_QUANTS]
+    elif test == "test_model_hidden_sizes":
+        cases = [(algo, qname, H, torch.bfloat16) for algo, qname, H in _model_cases()]
+    else:
+        return []
+    return list(dict.fromkeys(key for algo, qname, H, dtype in cases for M in ROWS
+                              for key in one_case_keys(world, algo, qname, M, H, dtype)))
 
 
 def test_fp16_activations():

@@ -27,14 +27,18 @@ KERNEL_TIMEOUT_S, HOST_TIMEOUT_S = 2.0, 3.0
 ALGOS = ("oneshot", "twoshot", "lamport")
 
 
-def _workspace():
+def _tuning():
     from distnorm.collectives.plan import Tuning
+    return Tuning(timeout_s=KERNEL_TIMEOUT_S, host_timeout_s=HOST_TIMEOUT_S)
+
+
+def _workspace():
     from distnorm.collectives.state import AllReduceState
     from distnorm.comm import Workspace
 
     ws = Workspace(buffer_bytes=16 << 20)
     assert ws.p2p_ok, ws.fallback_reason
-    tuning = Tuning(timeout_s=KERNEL_TIMEOUT_S, host_timeout_s=HOST_TIMEOUT_S)
+    tuning = _tuning()
     ws.op_state("allreduce", lambda: AllReduceState(tuning))
     return ws
 
@@ -56,18 +60,47 @@ def _call(ws, algo, M=128, H=4096, quant="fp8_per_token", seed=0):
                                             **kw)
 
 
+def _call_key(world: int, algo: str, tuning, H: int = 4096, quant: str = "fp8_per_token") -> tuple:
+    """compiled_allreduce's arguments for the kernel _call launches."""
+    from distnorm.collectives.dispatch import allreduce_kernel_key
+    from distnorm.formats import make_quant_spec
+
+    return allreduce_kernel_key(algo, world, torch.bfloat16, H, make_quant_spec(quant), True,
+                                False, False, False, tuning)
+
+
 def _precompile(ws, algo: str, H: int = 4096, quant: str = "fp8_per_token") -> None:
     """Compile the kernel _call launches (no collective), so that timed calls exclude compiling."""
-    import torch
-
-    from distnorm.collectives.dispatch import allreduce_kernel_key
     from distnorm.collectives.state import state_of
-    from distnorm.formats import make_quant_spec
     from distnorm.kernels.compile_allreduce import compiled_allreduce
 
-    compiled_allreduce(*allreduce_kernel_key(algo, ws.world_size, torch.bfloat16, H,
-                                             make_quant_spec(quant), True, False, False, False,
-                                             state_of(ws).tuning))
+    compiled_allreduce(*_call_key(ws.world_size, algo, state_of(ws).tuning, H, quant))
+
+
+def kernel_keys(test: str, params: dict) -> list[tuple]:
+    """The kernels of these tests (distnorm.kernels.precompile keys), which tests/conftest.py
+    compiles ahead, spread over the ranks (the tests then load them from the kernel cache): every
+    algorithm's _call kernel; for the mismatch test also at H = 8192, NVFP4, and two-shot and
+    lamport in their second form. A key missed here is compiled where it is used."""
+    import dataclasses
+
+    from distnorm.collectives.plan import ALGORITHM_FORMS
+    from distnorm.launch.spawn import launch_world_size
+
+    world = launch_world_size()
+    if world < 2:
+        return []
+    tuning = _tuning()
+    keys = [_call_key(world, algo, tuning) for algo in ALGOS]
+    if test == "test_mismatched_calls_then_recovery":
+        keys += [_call_key(world, algo, tuning, **kw) for algo in ALGOS
+                 for kw in ({"H": 8192}, {"quant": "nvfp4"})]
+        keys += [_call_key(world, algo, dataclasses.replace(
+                     tuning, **{f"{algo}_form": ALGORITHM_FORMS[algo][1]}))
+                 for algo in ("twoshot", "lamport")]
+    elif test != "test_rank_that_leaves":
+        return []
+    return [("allreduce", *key) for key in keys]
 
 
 def _good_calls(ws, n: int) -> None:

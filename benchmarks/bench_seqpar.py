@@ -5,7 +5,10 @@ gathered for the next GEMM, side by side in one run with the unfused chain and a
                         rows on every rank, the residual shard updated (gathered through the peers:
                         kernels/rowgather.py)
     dn_rs_<fmt>_gather_nccl  the same, gathered by NCCL all_gather (Tuning.gather_by = "nccl")
-    dn_rs_<fmt>         the same without the gather (the shard's outputs only)
+    dn_rs_<fmt>_gather_pipe  the same, the reduce-scatter in its "pipelined" form
+                        (Tuning.reducescatter_form; NOTE [reduce-scatter rounds])
+    dn_rs_<fmt>         the same without the gather (the shard's outputs only); dn_rs_<fmt>_pipe in
+                        the "pipelined" form
     unfused_fp8         NCCL reduce_scatter + add + RMSNorm + static FP8 in torch + NCCL all_gather
                         of the FP8 bytes (what a sequence-parallel layer writes without distnorm)
     unfused_fp8_comp    the same, its torch part compiled (static shapes, one compile per shape)
@@ -67,30 +70,33 @@ def same_bytes(a, b) -> bool:
 
 
 def outputs_match(x, res, w, ws) -> bool:
-    """Every format: the shard's residual and the gathered q / scales bitwise the fused
-    all-reduce's (the op's contract)."""
+    """Every format and reduce-scatter form: the shard's residual and the gathered q / scales
+    bitwise the fused all-reduce's (the op's contract)."""
+    from distnorm.collectives.plan import REDUCESCATTER_FORMS
+
     a, b = distnorm.shard_rows(x.shape[0], ws)
     ok = True
     for fmt in FORMATS:
         kw = format_kwargs(fmt, x.device)
         full = distnorm.allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, **kw)
-        got = distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, EPS, workspace=ws, gather=True,
-                                                  **kw)
-        ok &= same_bytes(got.residual, full.residual[a:b]) and same_bytes(got.q, full.q)
-        if fmt != "fp8":
-            ok &= same_bytes(got.scales, full.scales)
+        for form in REDUCESCATTER_FORMS:
+            got = tuned(ws, lambda: distnorm.reduce_scatter_add_rmsnorm(
+                x, res[a:b], w, EPS, workspace=ws, gather=True, **kw), reducescatter_form=form)
+            ok &= same_bytes(got.residual, full.residual[a:b]) and same_bytes(got.q, full.q)
+            if fmt != "fp8":
+                ok &= same_bytes(got.scales, full.scales)
     return bool(ok)
 
 
-def gathered_by(ws, how: str, call):
-    """call() with the workspace's Tuning.gather_by set to `how` (restored after)."""
+def tuned(ws, call, **fields):
+    """call() with the workspace's Tuning fields set (restored after): gather_by, reducescatter_form."""
     import dataclasses
 
     from distnorm.collectives.state import state_of
 
     state = state_of(ws)
     kept = state.tuning
-    state.tuning = dataclasses.replace(kept, gather_by=how)
+    state.tuning = dataclasses.replace(kept, **fields)
     try:
         return call()
     finally:
@@ -108,11 +114,17 @@ def cases(x, res, w, ws, nccl: bool, symm, compiled_tail) -> dict:
         kw = format_kwargs(fmt, x.device)
         c[f"dn_rs_{fmt}_gather"] = lambda kw=kw: distnorm.reduce_scatter_add_rmsnorm(
             x, res_shard, w, EPS, workspace=ws, gather=True, **kw)
-        c[f"dn_rs_{fmt}_gather_nccl"] = lambda kw=kw: gathered_by(ws, "nccl", lambda: (
+        c[f"dn_rs_{fmt}_gather_nccl"] = lambda kw=kw: tuned(ws, lambda: (
             distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws, gather=True,
-                                                **kw)))
+                                                **kw)), gather_by="nccl")
+        c[f"dn_rs_{fmt}_gather_pipe"] = lambda kw=kw: tuned(ws, lambda: (
+            distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws, gather=True,
+                                                **kw)), reducescatter_form="pipelined")
         c[f"dn_rs_{fmt}"] = lambda kw=kw: distnorm.reduce_scatter_add_rmsnorm(
             x, res_shard, w, EPS, workspace=ws, **kw)
+        c[f"dn_rs_{fmt}_pipe"] = lambda kw=kw: tuned(ws, lambda: (
+            distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws, **kw)),
+            reducescatter_form="pipelined")
     fp8 = format_kwargs("fp8", x.device)
     c["dn_ar_fp8"] = lambda: distnorm.allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, **fp8)
     summed = torch.empty_like(x)

@@ -65,6 +65,10 @@ ALLREDUCE = [
     ("reducescatter", 2, "bfloat16", 4096, "pt", True, False, False, False, True, 0),
     ("reducescatter", 4, "bfloat16", 7168, "nvfp4s", True, False, True, False, True, 0),
     ("reducescatter", 8, "float16", 2000, "none", False, True, True, False, True, 0),
+    # NOTE [reduce-scatter rounds]: rounds of pushes and barriers (and swizzled padding groups)
+    ("reducescatter", 2, "bfloat16", 4096, "pt", True, False, True, False, True, 0, "pipelined"),
+    ("reducescatter", 4, "bfloat16", 7168, "nvfp4s", True, False, True, False, True, 0,
+     "pipelined"),
 ]
 
 # (world, copy unit per segment) of the row gather (kernels/rowgather.py): q alone; q, per-token

@@ -63,7 +63,7 @@ def test_algorithm_form_tuning(monkeypatch):
     import torch
 
     from distnorm.collectives.dispatch import allreduce_kernel_key
-    from distnorm.collectives.plan import LAMPORT_FORMS, TWOSHOT_FORMS, Tuning
+    from distnorm.collectives.plan import LAMPORT_FORMS, REDUCESCATTER_FORMS, TWOSHOT_FORMS, Tuning
     from distnorm.collectives.state import AllReduceState
 
     monkeypatch.delenv("DISTNORM_TWOSHOT_FORM", raising=False)
@@ -82,9 +82,16 @@ def test_algorithm_form_tuning(monkeypatch):
     monkeypatch.setenv("DISTNORM_TWOSHOT_FORM", "pull")
     with pytest.raises(ValueError, match="twoshot_form must be one of"):
         Tuning(twoshot_form="sideways")
-    pull = Tuning(twoshot_form="pull-gather", lamport_form="poll-unseen")
+    monkeypatch.delenv("DISTNORM_REDUCESCATTER_FORM", raising=False)
+    assert Tuning.from_env().reducescatter_form == "serial" == REDUCESCATTER_FORMS[0]
+    monkeypatch.setenv("DISTNORM_REDUCESCATTER_FORM", "pipelined")
+    assert Tuning.from_env().form("reducescatter") == "pipelined"
+    with pytest.raises(ValueError, match="reducescatter_form must be one of"):
+        Tuning(reducescatter_form="push")
+    pull = Tuning(twoshot_form="pull-gather", lamport_form="poll-unseen",
+                  reducescatter_form="pipelined")
     for algo, form in (("twoshot", "pull-gather"), ("lamport", "poll-unseen"), ("oneshot", ""),
-                       ("reducescatter", "")):  # the last two have one form
+                       ("reducescatter", "pipelined")):  # one-shot has one form
         assert allreduce_kernel_key(algo, 4, torch.bfloat16, 4096, None, True, False, True, True,
                                     pull)[-1] == form
     capped = Tuning(max_ctas={"twoshot": 24})

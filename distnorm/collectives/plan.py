@@ -16,7 +16,7 @@ from distnorm.collectives.layout import (LAMPORT_AREAS, REGION_LAMPORT, REGION_O
                                          lamport_split)
 
 __all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "ALGORITHM_FORMS", "GATHER_BY", "LAMPORT_FORMS",
-           "TWOSHOT_FORMS",
+           "REDUCESCATTER_FORMS", "TWOSHOT_FORMS",
            "Tuning", "choose_algo", "lamport_capacity",
            "max_chunk_rows", "plan_launch", "LAMPORT_CROSSOVER_BYTES", "LAMPORT_CROSSOVER_BYTES_PLAIN",
            "ONESHOT_CROSSOVER_BYTES"]
@@ -112,9 +112,15 @@ TWOSHOT_FORMS = ("push", "pull-gather", "pull")
 # slot each pass, "poll-unseen" only the vectors not yet arrived. "poll-all" is what the tables
 # above measured; "poll-unseen" is to be measured.
 LAMPORT_FORMS = ("poll-all", "poll-unseen")
+# How the sequence-parallel reduce-scatter overlaps its epilogue with its pushes (NOTE [reduce-scatter
+# rounds] in kernels/twoshot.py): "serial" (push everything, one barrier, then the epilogue: what
+# benchmarks/results/seqpar_h200_x2.md measured) or "pipelined" (rounds of pushes and barriers, the
+# epilogue of one round while the next crosses the link). "pipelined" is to be measured.
+REDUCESCATTER_FORMS = ("serial", "pipelined")
 # Each algorithm's forms (a compile-time choice that keeps the bits), the default first; Tuning
 # holds algorithm A's as the field `A_form`, read from DISTNORM_<A>_FORM.
-ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS}
+ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
+                   "reducescatter": REDUCESCATTER_FORMS}
 # Who gathers the sequence-parallel ops' rows when the workspace has peer mappings (Tuning.gather_by),
 # the default first: the peers beat NCCL's all_gather at every size measured on 2 x H200 (FP8 at
 # 512 x 8192 35.4 vs 46.5 us, 16384 x 8192 796 vs 806: benchmarks/results/seqpar_h200_x2.md)
@@ -134,6 +140,8 @@ class Tuning:
       barrier kernels' limit, always kept); a run-time argument, so no recompile.
     twoshot_form: one of TWOSHOT_FORMS (the two-shot kernel's traffic; same bits).
     lamport_form: one of LAMPORT_FORMS (how a lamport reader polls; same bits).
+    reducescatter_form: one of REDUCESCATTER_FORMS (the sequence-parallel reduce-scatter's
+      overlap of epilogue and pushes; same bits).
     timeout_s: how long a CTA waits for a peer before it records a timeout and gives up.
     host_timeout_s: how long a host-side wait for the group (the first lamport call's preparation,
       reset) lasts before it raises: long, because ranks reach their first call at different times
@@ -148,6 +156,7 @@ class Tuning:
     host_timeout_s: float = 120.0
     twoshot_form: str = TWOSHOT_FORMS[0]
     lamport_form: str = LAMPORT_FORMS[0]
+    reducescatter_form: str = REDUCESCATTER_FORMS[0]
     max_ctas: Mapping[str, int] = field(default_factory=dict)
     gather_by: str = GATHER_BY[0]
 
@@ -179,8 +188,9 @@ class Tuning:
     def from_env(cls) -> "Tuning":
         """The defaults, overridden by DISTNORM_PDL=0 (no programmatic dependent launch),
         DISTNORM_BARRIER_TIMEOUT_S and DISTNORM_HOST_TIMEOUT_S (seconds), DISTNORM_TWOSHOT_FORM
-        (one of TWOSHOT_FORMS), DISTNORM_LAMPORT_FORM (one of LAMPORT_FORMS) and
-        DISTNORM_GATHER_BY (one of GATHER_BY)."""
+        (one of TWOSHOT_FORMS), DISTNORM_LAMPORT_FORM (one of LAMPORT_FORMS),
+        DISTNORM_REDUCESCATTER_FORM (one of REDUCESCATTER_FORMS) and DISTNORM_GATHER_BY (one of
+        GATHER_BY)."""
         return cls(pdl=pdl_from_env(), gather_by=_form("DISTNORM_GATHER_BY", GATHER_BY),
                    timeout_s=_seconds("DISTNORM_BARRIER_TIMEOUT_S", cls.timeout_s),
                    host_timeout_s=_seconds("DISTNORM_HOST_TIMEOUT_S", cls.host_timeout_s),

@@ -236,13 +236,14 @@ def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scal
         shard_like, spec, residual is not None, want_y, None, given.get("y"), given.get("q"), None)
     kernel = compiled_allreduce("reducescatter", ws.world_size, DTYPE_NAMES[x.dtype], x.shape[1],
                                 kspec, residual is not None, gemma, y_out is not None, False,
-                                state.tuning.pdl, 0)
+                                state.tuning.pdl, 0, state.tuning.form("reducescatter"))
     state.check_signal_pad(ws)
     raise_if_failed(ws)
     kernel(x, residual, residual_out, weight, y_out, q_out, scales_out,
            *kernel_scalars(format_scalar(spec), scale, global_scale), None,
            ws.buffer_ptrs, ws.signal_ptrs, ws.error_flag_device, ws.rank,
-           state.grid_cap(x.device, x.shape[1], kspec, 0), float(eps), state.tuning.timeout_ns)
+           state.tuning.ctas("reducescatter", state.grid_cap(x.device, x.shape[1], kspec, 0)),
+           float(eps), state.tuning.timeout_ns)
     after_launch(ws, x.device)
     return NormQuantOutput(residual_out, y_out, q_out, returned_scales(spec, scale, scales_out),
                            None)

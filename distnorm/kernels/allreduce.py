@@ -58,7 +58,7 @@ from distnorm.formats import VEC, QuantSpec
 from distnorm.kernels.lamport import LamportOneShot
 from distnorm.kernels.norm_quant import NormQuantCore
 from distnorm.kernels.tiling import RowTiling
-from distnorm.kernels.twoshot import TwoShot, slice_batch
+from distnorm.kernels.twoshot import RS_ROUNDS, TwoShot, slice_batch
 from distnorm.kernels.sync import cta_barrier, ld_volatile_sys_u32, st_volatile_sys_v4_u32
 
 
@@ -87,6 +87,8 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
         self.pull_scatter = algo == "twoshot" and form == "pull"
         self.pull_gather = algo == "twoshot" and form in ("pull", "pull-gather")
         self.poll_unseen = algo == "lamport" and form == "poll-unseen"
+        # NOTE [reduce-scatter rounds]
+        self.rs_rounds = RS_ROUNDS if algo == "reducescatter" and form == "pipelined" else 1
         # two-shot gathers T(acc) separately only when it differs from the gathered h
         self.gather_acc = write_allreduce and has_residual
         # signal-pad region: one-shot's / two-shot's barrier, lamport's call state

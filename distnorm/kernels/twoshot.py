@@ -31,6 +31,16 @@ barrier coverage argument are there).
   slices of S = ceil(M / N) unpadded rows, then phase 2 for my slice only, writing shard-local
   outputs (rows 0..M_r-1 of residual_out, y, q, scales; scale padding to 128 rows of the shard);
   final cta_barrier. Buffer: scatter [N][S][H] T.
+  NOTE [reduce-scatter rounds]: in the "serial" form (the default) a CTA pushes all its row groups,
+  meets its peers once, then reduces and finishes its rows: the link idles while the epilogue
+  (about a fifth of the kernel's time at 16384 x 8192 on 2 x H200) runs. The "pipelined" form cuts
+  a CTA's row groups into up to RS_ROUNDS rounds with a barrier after each round's push, and pushes
+  round r + 1 before it finishes round r, so the epilogue runs while the next rows cross the
+  link. Every rank's same-index CTA has the same groups (push_groups, grid and index agree: the
+  signature says so), hence the same rounds and barriers. A round only reads slot rows its peers
+  pushed before that round's barrier, and the rows of round r + 1 are others, so no read meets a
+  write; the final barrier keeps the next call's pushes off rows still read, as before. The same
+  float32 operations per row, so the same bits as "serial".
 
 NOTE [two-shot final barrier]
 What two-shot's last cta_barrier guards (and what a change that drops it must keep safe): phase 3
@@ -58,7 +68,11 @@ from cutlass import Float32, Int32, Int64, const_expr
 from distnorm.formats import VEC
 from distnorm.kernels.tiling import RowTiling
 
-__all__ = ["TwoShot", "slice_batch", "SLICE_BATCH_VECS"]
+__all__ = ["TwoShot", "slice_batch", "SLICE_BATCH_VECS", "RS_ROUNDS"]
+
+# NOTE [reduce-scatter rounds]: the most rounds a CTA's row groups are cut into ("pipelined" form);
+# each round costs one more cross-rank barrier (a few us of NVLink latency per CTA)
+RS_ROUNDS = 4
 
 # NOTE [slice batches]
 # Two-shot's phase 1 (a row of every other slice: load from x, store to its owner or to my copy) and
@@ -148,21 +162,75 @@ class TwoShot:
                                                                          lane)
         sig = self._describe_launch(mSig, rank, m)
         push_groups = (slice_rows + t.rows_per_cta - 1) // t.rows_per_cta
-        self._push_slices(mX, mBuf, rank, slice_rows, self._push_groups(mSig, rank, push_groups),
-                          bidx, nblk, row_in_cta, lane, rT, dtype)
-        failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+        if const_expr(self.rs_rounds == 1):
+            self._push_slices(mX, mBuf, rank, slice_rows,
+                              self._push_groups(mSig, rank, push_groups), bidx, nblk, row_in_cta,
+                              lane, rT, dtype)
+            failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
 
-        base = mBuf[rank]
-        for g in range(bidx, self._unless_failed(failed, groups), nblk):
-            i = g * t.rows_per_cta + row_in_cta
-            row_valid = i < local
-            self._reduce_row(rH, rR, rT, mX, mR, mRout, mAR, base, slot_elems, i,
-                             rank * slice_rows + i, i, row_valid, rank, lane, dtype)
-            self.core.epilogue(rH, i, row_valid, i < rows, lane, row_in_cta, eps, mW, mY, mQ, mS,
-                               static_inv, global_scale, bufs, rW)
-            cute.arch.barrier()  # shared-memory partials are reused by the next row
+            base = mBuf[rank]
+            for g in range(bidx, self._unless_failed(failed, groups), nblk):
+                self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank, row_in_cta,
+                                  lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT,
+                                  static_inv, global_scale, bufs, rW, dtype)
+        else:
+            # NOTE [reduce-scatter rounds]
+            mine = Int32(0)  # my push groups: g = bidx + k * nblk, k < mine
+            if bidx < push_groups:
+                mine = (push_groups - bidx + nblk - 1) // nblk
+            rounds = mine
+            if rounds > Int32(self.rs_rounds):
+                rounds = Int32(self.rs_rounds)
+            if rounds < Int32(1):
+                rounds = Int32(1)
+            step = (mine + rounds - 1) // rounds * nblk  # one round's span of g
+            pushable = self._push_groups(mSig, rank, push_groups)
+            end = bidx + step
+            if end > pushable:
+                end = pushable
+            self._push_slices(mX, mBuf, rank, slice_rows, end, bidx, nblk, row_in_cta, lane, rT,
+                              dtype)
+            failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+            base = mBuf[rank]
+            for r in range(rounds):
+                g0 = bidx + r * step
+                if r + 1 < rounds:  # the next round's rows leave while this round's are finished
+                    end = g0 + 2 * step
+                    if end > pushable:
+                        end = pushable
+                    self._push_slices(mX, mBuf, rank, slice_rows, self._unless_failed(failed, end),
+                                      g0 + step, nblk, row_in_cta, lane, rT, dtype)
+                end = g0 + step
+                if end > push_groups:
+                    end = push_groups
+                for g in range(g0, self._unless_failed(failed, end), nblk):
+                    self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank,
+                                      row_in_cta, lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS,
+                                      rH, rR, rT, static_inv, global_scale, bufs, rW, dtype)
+                if r + 1 < rounds:
+                    failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig) | failed
+            # the shard's scale-padding row groups past every pushed row (swizzled layouts)
+            for g in range(bidx + mine * nblk, self._unless_failed(failed, groups), nblk):
+                self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank, row_in_cta,
+                                  lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT,
+                                  static_inv, global_scale, bufs, rW, dtype)
         # nobody may overwrite a slot (next call) that a peer still reads
         self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+
+    @cute.jit
+    def _shard_group(self, g: Int32, local: Int32, rows: Int32, base: Int64, slot_elems: Int64,
+                     slice_rows: Int32, rank: Int32, row_in_cta: Int32, lane: Int32, eps: Float32,
+                     mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT, static_inv, global_scale, bufs,
+                     rW, dtype: cutlass.Constexpr):
+        """Row group g of my shard: the ordered sum of its slots, the residual add, the epilogue
+        into the shard-local outputs (rows < local are real; rows < `rows` have scales)."""
+        i = g * self.t.rows_per_cta + row_in_cta
+        row_valid = i < local
+        self._reduce_row(rH, rR, rT, mX, mR, mRout, mAR, base, slot_elems, i,
+                         rank * slice_rows + i, i, row_valid, rank, lane, dtype)
+        self.core.epilogue(rH, i, row_valid, i < rows, lane, row_in_cta, eps, mW, mY, mQ, mS,
+                           static_inv, global_scale, bufs, rW)
+        cute.arch.barrier()  # shared-memory partials are reused by the next row
 
     @cute.jit
     def _gather_row(self, rH, rA, dst: Int64, gather_h: Int64, gather_a: Int64, row: Int32,

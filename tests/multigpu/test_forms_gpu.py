@@ -1,7 +1,8 @@
 """The algorithms' forms (distnorm.collectives.plan.ALGORITHM_FORMS: two-shot "push", "pull-gather",
 "pull", NOTE [two-shot forms] in distnorm/kernels/twoshot.py; lamport "poll-all", "poll-unseen",
-NOTE [lamport polls] in distnorm/kernels/lamport.py): each meets the reference on every element and
-every form of an algorithm gives the same bytes (same float32 operations, other traffic).
+NOTE [lamport polls] in distnorm/kernels/lamport.py; the sequence-parallel reduce-scatter "serial",
+"pipelined", NOTE [reduce-scatter rounds]): each meets the reference on every element and every
+form of an algorithm gives the same bytes (same float32 operations, other traffic).
 Back-to-back calls that mix the forms with the other algorithms, never synchronized in between,
 check the barriers and areas that keep a peer's reads apart from the next call's writes.
 
@@ -20,7 +21,7 @@ import torch
 from allreduce_cases import (BUFFER_BYTES, algo_capacity_rows, checked_on_every_rank,
                              group_bootstrap, make_inputs, quant_kwargs, quant_spec)
 from harness import MULTIGPU_MARKS, all_gather_tensors, gathered_check
-from distnorm.collectives.plan import ALGORITHM_FORMS
+from distnorm.collectives.plan import ALGORITHM_FORMS, REDUCESCATTER_FORMS
 from distnorm.launch import run_distributed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,6 +40,11 @@ MIXED_CALLS = 60 if QUICK else 300
 MIXED_SIZES = (1, 7, 100, 2048, 64)
 MIXED_FORMAT = CASES[0][0]
 MIXED_ALGOS = ("twoshot", "oneshot", "lamport", "twoshot", "lamport")
+# the all-reduce algorithms' forms (the reduce-scatter's have their own test)
+ALLREDUCE_FORMS = {a: f for a, f in ALGORITHM_FORMS.items() if a != "reducescatter"}
+# (format, M, max_ctas): the reduce-scatter's shards; 8 CTAs cut 65 rows into uneven rounds and
+# more rounds than rows, 1000 rows per shard take every CTA of the grid for several groups
+RS_CASES = [("fp8_per_token", 2000, 0), ("nvfp4", 129, 8), ("none", 3, 0), ("mxfp8", 1000, 5)]
 
 
 def _tuned(ws, algo: str, form: str) -> None:
@@ -115,6 +121,89 @@ def _body_mixed_back_to_back(calls: int) -> None:
         ws.barrier()
 
 
+def _poison_free_memory() -> None:
+    """Fill what the caching allocator hands out next with 0xA5 bytes: an output the kernel never
+    wrote then differs from the other form's instead of keeping a freed tensor's equal bytes."""
+    torch.empty(256 << 20, dtype=torch.uint8, device="cuda").fill_(0xA5)
+
+
+def _body_reducescatter_forms_agree() -> None:
+    """Both reduce-scatter forms (NOTE [reduce-scatter rounds]) on RS_CASES, gathered and not:
+    the shard's residual, y, q and scales and the gathered rows bitwise those of the "serial" form
+    and of allreduce_add_rmsnorm's rows; then the two forms back to back (with the all-reduce
+    between them), never synchronized, bitwise the same again."""
+    import dataclasses
+
+    import distnorm
+    from distnorm.collectives.state import state_of
+    from distnorm.comm import Workspace
+
+    def as_bytes(t):
+        return None if t is None else t.contiguous().view(torch.uint8).clone()
+
+    def outputs(out):
+        return [as_bytes(t) for t in (out.residual, out.y, out.q, out.scales)]
+
+    boot = group_bootstrap()
+    with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
+        assert ws.p2p_ok, f"no peer mappings: {ws.fallback_reason}"
+        state = state_of(ws)
+        default = state.tuning
+
+        def run(form, qname, M, max_ctas, gather, x, res, w, kw):
+            state.tuning = dataclasses.replace(
+                default, reducescatter_form=form,
+                max_ctas={"reducescatter": max_ctas} if max_ctas else {})
+            a, b = distnorm.shard_rows(M, ws)
+            _poison_free_memory()
+            return distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, 1e-6, workspace=ws,
+                                                       norm_out=True, gather=gather, **kw)
+
+        def check():
+            for seed, (qname, M, max_ctas) in enumerate(RS_CASES):
+                kw, _ = quant_kwargs(qname)
+                x, res, w = make_inputs(M, H, ws.rank, 90 + seed, world=ws.world_size)
+                want = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws,
+                                                      norm_out=True, **kw)
+                a, b = distnorm.shard_rows(M, ws)
+                for gather in (False, True):
+                    got = {form: outputs(run(form, qname, M, max_ctas, gather, x, res, w, kw))
+                           for form in REDUCESCATTER_FORMS}
+                    torch.cuda.synchronize()
+                    ws.raise_if_failed()
+                    what = f"{qname} M={M} max_ctas={max_ctas} gather={gather}"
+                    for form in REDUCESCATTER_FORMS[1:]:
+                        for name, p, q in zip(("residual", "y", "q", "scales"),
+                                              got[form], got[REDUCESCATTER_FORMS[0]]):
+                            assert (p is None) == (q is None) and (p is None or torch.equal(p, q)), \
+                                f"{what}: {form} {name} differs from the serial form's"
+                    h, y = got[REDUCESCATTER_FORMS[-1]][:2]
+                    assert torch.equal(h, as_bytes(want.residual[a:b])), f"{what}: residual"
+                    rows = slice(None) if gather else slice(a, b)
+                    assert torch.equal(y, as_bytes(want.y[rows])), f"{what}: y"
+            # back to back: both forms and the all-reduce, nothing synchronized in between
+            qname, M, max_ctas = RS_CASES[0]
+            kw, _ = quant_kwargs(qname)
+            x, res, w = make_inputs(M, H, ws.rank, 99, world=ws.world_size)
+            last = {}
+            for i in range(40):
+                form = REDUCESCATTER_FORMS[i % len(REDUCESCATTER_FORMS)]
+                # the forms' last calls (i = 38, 39) gather alike: their outputs compare
+                last[form] = run(form, qname, M, max_ctas, (i // 2) % 3 == 0, x, res, w, kw)
+                if i % 5 == 4:
+                    distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, **kw)
+            torch.cuda.synchronize()
+            ws.raise_if_failed()
+            shards = [outputs(last[form]) for form in REDUCESCATTER_FORMS]
+            assert all(p is None and q is None or torch.equal(p, q)
+                       for p, q in zip(*shards)), "back to back: the forms' outputs differ"
+        try:
+            gathered_check(boot, check)
+        finally:
+            state.tuning = default
+        ws.barrier()
+
+
 def kernel_keys(test: str, params: dict) -> list[tuple]:
     """The kernels these tests launch (tests/conftest.py compiles them ahead)."""
     import dataclasses
@@ -144,6 +233,13 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
                 keys.append(key(algo, form, quant_spec(qname), M, True, True, True, False))
                 if qname == "none":
                     keys.append(key(algo, form, None, M, False, False, True, True))
+    if test == "test_reducescatter_forms_agree":
+        for form in REDUCESCATTER_FORMS:
+            tuning = dataclasses.replace(Tuning.from_env(), reducescatter_form=form)
+            keys += [("allreduce", *allreduce_kernel_key("reducescatter", world, torch.bfloat16, H,
+                                                         quant_spec(qname), True, False, True,
+                                                         False, tuning))
+                     for qname, _, _ in RS_CASES]
     if test == "test_forms_mixed_back_to_back":
         for algo in dict.fromkeys(MIXED_ALGOS):
             for form in ALGORITHM_FORMS.get(algo, ("",)):
@@ -152,9 +248,13 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     return list(dict.fromkeys(keys))
 
 
-@pytest.mark.parametrize("algo", list(ALGORITHM_FORMS))
+@pytest.mark.parametrize("algo", list(ALLREDUCE_FORMS))
 def test_forms_agree(algo):
     run_distributed(_body_forms_agree, algo, timeout_s=TIMEOUT_S)
+
+
+def test_reducescatter_forms_agree():
+    run_distributed(_body_reducescatter_forms_agree, timeout_s=TIMEOUT_S)
 
 
 def test_forms_mixed_back_to_back():

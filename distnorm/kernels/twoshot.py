@@ -33,7 +33,8 @@ barrier coverage argument are there).
   final cta_barrier. Buffer: scatter [N][S][H] T.
   NOTE [reduce-scatter rounds]: in the "serial" form (the default) a CTA pushes all its row groups,
   meets its peers once, then reduces and finishes its rows: the link idles while the epilogue
-  (about a fifth of the kernel's time at 16384 x 8192 on 2 x H200) runs. The "pipelined" form cuts
+  runs (by byte count about 600 MB of local HBM traffic against 134 MB pushed at 16384 x 8192 on
+  2 ranks: ~140 us of the 530 measured, benchmarks/results/seqpar_h200_x2.md). The "pipelined" form cuts
   a CTA's row groups into up to RS_ROUNDS rounds with a barrier after each round's push, and pushes
   round r + 1 before it finishes round r, so the epilogue runs while the next rows cross the
   link. Every rank's same-index CTA has the same groups (push_groups, grid and index agree: the

@@ -201,9 +201,19 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     from distnorm.ops import FEW_ROWS, fused_kernel_key
 
     world = launch_world_size()
-    if test != "test_nccl_path_bitwise_the_peer_kernels" or world < 2:
+    if world < 2:
         return []
     bf16, H, keys = torch.bfloat16, 4096, []
+    if test == "test_seqpar_rows_of_the_issue_bitwise_the_allreduce":
+        # the all-reduce each row count's expectations come from (algo auto, y written, 64 MiB
+        # workspace); the reduce-scatter kernels are the other test's keys
+        from allreduce_cases import launched_key
+        return list(dict.fromkeys(
+            launched_key(world, "auto", M, H, formats.make_quant_spec(quant, **opts), True, True,
+                         False, bf16, 64 << 20)
+            for quant, opts in QUANTS.values() for M in SEQPAR_ROWS if M > 0))
+    if test != "test_nccl_path_bitwise_the_peer_kernels":
+        return []
     for k, (quant, opts) in enumerate(QUANTS.values()):
         spec = formats.make_quant_spec(quant, **opts)
         # the no-peer forms' kernels with `world` slots: gather (the call's rows, spec's layout),

@@ -5,6 +5,12 @@
 #
 #   STEP=tests-torchrun N=2 bash benchmarks/multi_gpu_plan.sh     # one step
 #   STEP=list bash benchmarks/multi_gpu_plan.sh                   # the steps
+#   GPUS=2,3 PORT=29612 STEP=seqpar N=2 bash ...                  # on GPUs 2 and 3 only
+#   STEP=pairs A=tests-torchrun B=tests-mpirun N=2 bash ...       # two 2-GPU steps side by side on a
+#                                                                 # 4-GPU machine: A on GPUs 0,1, B on 2,3
+# (pairs: each step gets its own GPUs, torchrun port and log names; the host's CPUs and kernel cache
+# are shared, so times are a little above a machine to themselves. 2026-11-27 on nvidia-h200-x4 the
+# launchers' suites side by side took 330 / 336 s, as one alone did on nvidia-h200-x2 before.)
 #
 # Steps (what each checks; the results file it writes, for benchmarks/README.md and docs/TESTING.md):
 #   tests-torchrun  torchrun --nproc-per-node N -m pytest tests (the whole suite, every rank)
@@ -19,35 +25,44 @@ set -uo pipefail
 N=${N:-2}
 OUT=${OUT:-multi_gpu_out}
 STEP=${STEP:-list}
+PORT=${PORT:-29500}
 mkdir -p "$OUT"
 tag="h200_x$N"
+if [ -n "${GPUS:-}" ]; then export CUDA_VISIBLE_DEVICES=$GPUS; fi
+if [ "$STEP" = pairs ]; then
+  [ -n "${A:-}" ] && [ -n "${B:-}" ] || { echo "STEP=pairs needs A=<step> and B=<step>" >&2; exit 2; }
+  GPUS=0,1 PORT=29611 STEP=$A bash "$0" & pa=$!
+  GPUS=2,3 PORT=29612 STEP=$B bash "$0" & pb=$!
+  wait $pa; ra=$?; wait $pb; rb=$?
+  exit $((ra > rb ? ra : rb))
+fi
 run() {  # run NAME CMD...: the command's output in $OUT/NAME.log, its time and status printed
   local name=$1; shift
   local t0=$SECONDS
   "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  echo "$name: rc $rc, $((SECONDS - t0)) s ($*)"
+  echo "$name: rc $rc, $((SECONDS - t0)) s [GPUs ${CUDA_VISIBLE_DEVICES:-all}] ($*)"
   grep -E "passed|failed|skipped|error" "$OUT/$name.log" | tail -n "$((N + 1))"
   return $rc
 }
 case $STEP in
   list) sed -n '/^# Steps/,/^set /p' "$0" | sed '$d' ;;
-  tests-torchrun) run tests_torchrun torchrun --nproc-per-node "$N" -m pytest tests -q -rfs -p no:cacheprovider ;;
-  tests-mpirun) xs=(); for v in PYTHONPATH PATH LD_LIBRARY_PATH; do [ -n "${!v:-}" ] && xs+=(-x "$v"); done
+  tests-torchrun) run tests_torchrun torchrun --master-port "$PORT" --nproc-per-node "$N" -m pytest tests -q -rfs -p no:cacheprovider ;;
+  tests-mpirun) xs=(); for v in PYTHONPATH PATH LD_LIBRARY_PATH CUDA_VISIBLE_DEVICES; do [ -n "${!v:-}" ] && xs+=(-x "$v"); done
       run tests_mpirun mpirun --allow-run-as-root --bind-to none -np "$N" "${xs[@]}" \
       python -m pytest tests -q -rfs -p no:cacheprovider ;;
   tests-plain) run tests_plain python -m pytest tests -q -rfs -p no:cacheprovider
                run main_job python -m distnorm ;;
-  faults) run faults torchrun --nproc-per-node "$N" -m pytest tests/multigpu/test_faults_gpu.py -q -s -rfs ;;
-  allreduce) run allreduce torchrun --nproc-per-node "$N" benchmarks/bench_allreduce_fusion.py \
+  faults) run faults torchrun --master-port "$PORT" --nproc-per-node "$N" -m pytest tests/multigpu/test_faults_gpu.py -q -s -rfs ;;
+  allreduce) run allreduce torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_allreduce_fusion.py \
       --out "$OUT/allreduce_fusion_$tag" ;;
-  seqpar) run seqpar torchrun --nproc-per-node "$N" benchmarks/bench_seqpar.py --out "$OUT/seqpar_$tag" ;;
-  fallback) run fallback torchrun --nproc-per-node "$N" benchmarks/bench_fallback.py --buffer-mib 256 \
+  seqpar) run seqpar torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_seqpar.py --out "$OUT/seqpar_$tag" ;;
+  fallback) run fallback torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_fallback.py --buffer-mib 256 \
       --out "$OUT/fallback_$tag" ;;
-  tp-layer) run tp_layer torchrun --nproc-per-node "$N" benchmarks/bench_tp_layer.py --model 8b \
+  tp-layer) run tp_layer torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_tp_layer.py --model 8b \
       --out "$OUT/tp_layer_$tag"
-            run tp_layer_fp8 torchrun --nproc-per-node "$N" benchmarks/bench_tp_layer.py --model 8b --fp8 \
+            run tp_layer_fp8 torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_tp_layer.py --model 8b --fp8 \
       --out "$OUT/tp_layer_fp8_$tag" ;;
-  *) echo "STEP=$STEP: expected one of list, tests-torchrun, tests-mpirun, tests-plain, faults," \
-          "allreduce, seqpar, fallback, tp-layer" >&2; exit 2 ;;
+  *) echo "STEP=$STEP: expected one of list, pairs, tests-torchrun, tests-mpirun, tests-plain," \
+          "faults, allreduce, seqpar, fallback, tp-layer" >&2; exit 2 ;;
 esac

@@ -1,6 +1,9 @@
-"""A/B of source trees on one GPU: `bench_single_gpu.py` run from each tree's own checkout (its own
-code and kernel cache), the trees alternated for several rounds, then one table of us per call in
-every round and each tree's change of the mean against the first tree. Alternating rounds in one
+"""A/B of source trees: a benchmark run from each tree's own checkout (its own code and kernel
+cache), the trees alternated for several rounds, then one table of us per call in every round and
+each tree's change of the mean against the first tree. `--bench single_gpu` (default:
+bench_single_gpu.py on one GPU), or `--bench allreduce_fusion` / `seqpar` / `fallback` under
+`torchrun --nproc-per-node N` (`--nproc N`, default 2): their wide rows (a column per case) become
+one row per case. Alternating rounds in one
 device call is what makes a 2-3% difference readable: the same point drifts by about that much
 between device sessions (the unchanged kernels of an A/B are its noise floor: show them too).
 
@@ -8,7 +11,13 @@ between device sessions (the unchanged kernels of an A/B are its noise floor: sh
     python benchmarks/ab_trees.py --tree base=../base --tree new=. --rounds 2 \\
         --out benchmarks/results/my_change_ab_h200 -- --no-compile --Hs 4096 32768 --Ms 1 1024
 
-Everything after `--` goes to bench_single_gpu.py. Writes <out>.md (the table) and <out>.json
+    # fault handling's cost (issue 11): the commit that brought it against its parent, on 2 GPUs
+    git worktree add --detach ../before 06bbda4^ && git worktree add --detach ../after 06bbda4
+    python benchmarks/ab_trees.py --bench allreduce_fusion --nproc 2 --tree before=../before \
+        --tree after=../after --tree main=. --out benchmarks/results/faults_ab_h200_x2 \
+        -- --no-compile --tokens 1 128 2048 8192 --hidden 4096 --cases '^dn_'
+
+Everything after `--` goes to the benchmark. Writes <out>.md (the table) and <out>.json
 (meta, and rows {variant, M, H, <tree>_us: [us of each round]}); each run's own files stay in
 <out>_runs/.
 """
@@ -22,26 +31,33 @@ import subprocess
 import sys
 
 
+#: --bench names: the benchmark script, and whether it runs one process per GPU under torchrun
+BENCHES = {"single_gpu": ("bench_single_gpu.py", False),
+           "allreduce_fusion": ("bench_allreduce_fusion.py", True),
+           "seqpar": ("bench_seqpar.py", True), "fallback": ("bench_fallback.py", True)}
+#: columns of the wide rows that are not a case's us per call
+_NOT_CASES = ("M", "H", "MB", "rs_kernel", "outputs_match")
+
+
 def parse_tree(text: str) -> tuple[str, str]:
-    """'name=path' -> (name, absolute path); the path must hold benchmarks/bench_single_gpu.py."""
+    """'name=path' -> (name, absolute path); main() checks that it holds the benchmark."""
     name, sep, path = text.partition("=")
     if not sep or not name or not name.isidentifier():
         raise argparse.ArgumentTypeError(
             f"--tree takes name=path (name a Python identifier), got {text!r}")
-    path = os.path.abspath(path)
-    if not os.path.isfile(os.path.join(path, "benchmarks", "bench_single_gpu.py")):
-        raise argparse.ArgumentTypeError(
-            f"--tree {text!r}: no benchmarks/bench_single_gpu.py under {path}")
-    return name, path
+    return name, os.path.abspath(path)
 
 
 def run_round(name: str, path: str, rnd: int, bench_args: list[str], runs_dir: str,
-              timeout_s: float) -> str:
+              timeout_s: float, bench: str = "single_gpu", nproc: int = 2) -> str:
     """One bench run of tree `name` from its checkout; returns its JSON path."""
     out = os.path.join(runs_dir, f"{name}_r{rnd}")
     env = dict(os.environ, DISTNORM_KERNEL_CACHE=os.path.join(runs_dir, f"kernel_cache_{name}"))
-    cmd = [sys.executable, os.path.join(path, "benchmarks", "bench_single_gpu.py"), *bench_args,
-           "--out", out, "--note", f"{name} round {rnd}"]
+    script, multi = BENCHES[bench]
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+              if multi else [sys.executable])
+    note = [] if multi else ["--note", f"{name} round {rnd}"]  # only bench_single_gpu takes it
+    cmd = [*launch, os.path.join(path, "benchmarks", script), *bench_args, "--out", out, *note]
     with open(out + ".log", "w") as log:
         proc = subprocess.run(cmd, cwd=path, env=env, stdout=log, stderr=subprocess.STDOUT,
                               timeout=timeout_s)
@@ -57,11 +73,24 @@ def merge_rounds(results: dict[str, list[str]]) -> list[dict]:
     for name, paths in results.items():
         for path in paths:
             with open(path) as f:
-                for r in json.load(f)["rows"]:
-                    key = (r["variant"], r["M"], r["H"])
-                    row = rows.setdefault(key, dict(variant=r["variant"], M=r["M"], H=r["H"]))
-                    row.setdefault(f"{name}_us", []).append(r["us"])
+                for variant, M, H, us in _points(json.load(f)["rows"]):
+                    row = rows.setdefault((variant, M, H), dict(variant=variant, M=M, H=H))
+                    row.setdefault(f"{name}_us", []).append(us)
     return [rows[k] for k in sorted(rows)]
+
+
+def _points(rows: list[dict]):
+    """(variant, M, H, us) of a benchmark's rows: long rows {variant, M, H, us} as they are, wide
+    rows (a column per case) one point per numeric case column; cases that did not run (None)
+    are left out."""
+    for r in rows:
+        if "variant" in r:
+            yield r["variant"], r["M"], r["H"], r["us"]
+            continue
+        for k, v in r.items():
+            if (k not in _NOT_CASES and not k.startswith("GB/s") and isinstance(v, (int, float))
+                    and not isinstance(v, bool)):
+                yield k, r["M"], r["H"], v
 
 
 def table(rows: list[dict], trees: list[str]) -> str:
@@ -90,7 +119,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="alternated rounds (default 2)")
     p.add_argument("--out", required=True, help="output path without extension")
     p.add_argument("--timeout-s", type=float, default=600, help="per bench run (default 600)")
+    p.add_argument("--bench", choices=sorted(BENCHES), default="single_gpu",
+                   help="which benchmark (default single_gpu)")
+    p.add_argument("--nproc", type=int, default=2,
+                   help="processes (GPUs) of a multi-GPU benchmark (default 2)")
     args = p.parse_args(own)
+    script = BENCHES[args.bench][0]
+    for name, path in args.tree:
+        if not os.path.isfile(os.path.join(path, "benchmarks", script)):
+            p.error(f"--tree {name}={path}: no benchmarks/{script}")
+    if args.nproc < 1:
+        p.error(f"--nproc must be >= 1, got {args.nproc}")
     names = [n for n, _ in args.tree]
     if len(names) < 2 or len(set(names)) != len(names):
         p.error(f"--tree: give at least two trees with different names, got {names}")
@@ -103,7 +142,8 @@ def main() -> None:
     results: dict[str, list[str]] = {n: [] for n in names}
     for rnd in range(1, args.rounds + 1):
         for name, path in args.tree:
-            results[name].append(run_round(name, path, rnd, bench_args, runs_dir, args.timeout_s))
+            results[name].append(run_round(name, path, rnd, bench_args, runs_dir, args.timeout_s,
+                                           args.bench, args.nproc))
     rows = merge_rounds(results)
     meta = dict(trees={n: p_ for n, p_ in args.tree}, rounds=args.rounds,
                 command="python benchmarks/ab_trees.py " + " ".join(sys.argv[1:]))

@@ -121,3 +121,18 @@ def test_ab_trees_alternates_the_trees_and_merges_their_rounds(tmp_path):
     bad = subprocess.run(cmd[:3] + [f"base={tmp_path}"] + cmd[4:], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "no benchmarks/bench_single_gpu.py" in bad.stderr
+
+
+def test_ab_trees_reads_the_wide_rows_of_the_multi_gpu_benchmarks():
+    """A multi-GPU benchmark's row has a column per case: one point per numeric case column, its
+    flags, sizes and GB/s left out, a case that did not run (None) too."""
+    sys.path.insert(0, BENCHMARKS)
+    import ab_trees
+
+    wide = [{"M": 128, "H": 4096, "MB": 1.0, "rs_kernel": True, "outputs_match": True,
+             "dn_fp8_lamport": 7.5, "nccl_ar": 15, "symm2": None, "GB/s fp8": 39.9}]
+    assert list(ab_trees._points(wide)) == [("dn_fp8_lamport", 128, 4096, 7.5),
+                                            ("nccl_ar", 128, 4096, 15)]
+    long = [{"variant": "fp8", "M": 1, "H": 4096, "us": 2.0}]
+    assert list(ab_trees._points(long)) == [("fp8", 1, 4096, 2.0)]
+    assert ab_trees.BENCHES["allreduce_fusion"] == ("bench_allreduce_fusion.py", True)

@@ -320,3 +320,63 @@ def test_agree_reports_every_failed_rank():
 
 
 # --- views, error flag, driver error formatting -------------------------------------------------
+
+
+# --- settings every rank must share ------------------------------------------------------------
+def _body_settings_differ(env: dict) -> None:
+    """Rank r sets env[r] (variable -> value, None: unset); a CPU workspace must refuse on every
+    rank naming each differing variable and every rank's value, or be built when they agree."""
+    import torch.distributed as dist
+
+    import distnorm
+
+    rank = dist.get_rank()
+    differ = [k for k in env[0] if len({e[k] or SHARED_DEFAULTS[k] for e in env.values()}) > 1]
+    for name, value in env[rank].items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    if not differ:
+        distnorm.Workspace(dist.group.WORLD, device="cpu").close()
+    else:
+        with pytest.raises(ValueError) as info:
+            distnorm.Workspace(dist.group.WORLD, device="cpu")
+        message = str(info.value)
+        for k in differ:
+            assert f"{k}: rank 0 " in message, message
+        assert "set them alike on every rank" in message, message
+    dist.barrier()  # both ranks done with the group before either tears it down
+
+
+#: what an unset variable resolves to (collectives.plan.settings_ranks_share)
+SHARED_DEFAULTS = {"DISTNORM_GATHER_BY": "peers", "DISTNORM_NOPEER_FORM": "auto",
+                   "DISTNORM_TWOSHOT_FORM": "push", "DISTNORM_LAMPORT_FORM": "poll-all",
+                   "DISTNORM_REDUCESCATTER_FORM": "serial"}
+
+
+def test_the_settings_ranks_share_and_their_defaults(monkeypatch):
+    from distnorm.collectives.plan import settings_ranks_share
+    for name in SHARED_DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+    assert settings_ranks_share() == SHARED_DEFAULTS
+    monkeypatch.setenv("DISTNORM_GATHER_BY", "nccl")
+    assert settings_ranks_share()["DISTNORM_GATHER_BY"] == "nccl"
+
+
+@pytest.mark.parametrize("env", [
+    {0: {"DISTNORM_GATHER_BY": "nccl", "DISTNORM_NOPEER_FORM": None},
+     1: {"DISTNORM_GATHER_BY": None, "DISTNORM_NOPEER_FORM": None}},
+    {0: {"DISTNORM_GATHER_BY": None, "DISTNORM_NOPEER_FORM": "split"},
+     1: {"DISTNORM_GATHER_BY": "peers", "DISTNORM_NOPEER_FORM": "gather"}},
+    {0: {"DISTNORM_REDUCESCATTER_FORM": "serial", "DISTNORM_TWOSHOT_FORM": "pull"},
+     1: {"DISTNORM_REDUCESCATTER_FORM": None, "DISTNORM_TWOSHOT_FORM": "push"}},
+    # the same settings spelled out on one rank and left to the default on the other
+    {0: {"DISTNORM_GATHER_BY": "peers", "DISTNORM_LAMPORT_FORM": "poll-all"},
+     1: {"DISTNORM_GATHER_BY": None, "DISTNORM_LAMPORT_FORM": None}},
+])
+def test_workspace_refuses_ranks_with_different_settings(env):
+    """DISTNORM_GATHER_BY, DISTNORM_NOPEER_FORM and the algorithms' forms choose the collectives
+    and kernels of a call: ranks that differ would wait for each other until a timeout (NCCL's
+    all_gather against an all_to_all: minutes), so the workspace refuses them when it is built."""
+    spawn(_body_settings_differ, 2, env, timeout_s=120, cpu_only=True)

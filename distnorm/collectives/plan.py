@@ -16,7 +16,7 @@ from distnorm.collectives.layout import (LAMPORT_AREAS, REGION_LAMPORT, REGION_O
                                          lamport_split)
 
 __all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "ALGORITHM_FORMS", "GATHER_BY", "LAMPORT_FORMS",
-           "REDUCESCATTER_FORMS", "TWOSHOT_FORMS",
+           "REDUCESCATTER_FORMS", "TWOSHOT_FORMS", "settings_ranks_share",
            "Tuning", "choose_algo", "lamport_capacity",
            "max_chunk_rows", "plan_launch", "LAMPORT_CROSSOVER_BYTES", "LAMPORT_CROSSOVER_BYTES_PLAIN",
            "ONESHOT_CROSSOVER_BYTES"]
@@ -196,6 +196,18 @@ class Tuning:
                    host_timeout_s=_seconds("DISTNORM_HOST_TIMEOUT_S", cls.host_timeout_s),
                    **{f"{algo}_form": _form(f"DISTNORM_{algo.upper()}_FORM", forms)
                       for algo, forms in ALGORITHM_FORMS.items()})
+
+
+def settings_ranks_share() -> dict[str, str]:
+    """The environment settings every rank of a workspace must share, as this process resolves
+    them (unset: the default): each chooses which collectives or kernels a call runs, and ranks on
+    different ones would wait for each other until a timeout (NCCL's can be minutes) or read rows
+    never written. comm.Workspace compares them across the group when it is built."""
+    return {"DISTNORM_GATHER_BY": os.environ.get("DISTNORM_GATHER_BY", GATHER_BY[0]),
+            "DISTNORM_NOPEER_FORM": os.environ.get("DISTNORM_NOPEER_FORM", "auto"),
+            **{f"DISTNORM_{algo.upper()}_FORM": os.environ.get(f"DISTNORM_{algo.upper()}_FORM",
+                                                               forms[0])
+               for algo, forms in ALGORITHM_FORMS.items()}}
 
 
 def pdl_from_env() -> bool:

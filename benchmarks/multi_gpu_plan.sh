@@ -21,6 +21,10 @@
 #   seqpar          bench_seqpar.py: reduce-scatter + norm + quant + gather vs all-reduce and the chain
 #   fallback        bench_fallback.py --buffer-mib 256: the path without peer memory vs NCCL + fused op
 #   tp-layer        bench_tp_layer.py, bf16 and --fp8: the TP decoder layer in its five forms
+#   rs-forms        the reduce-scatter's "pipelined" form (NOTE [reduce-scatter rounds]): its GPU test,
+#                   then bench_seqpar at 2048-16384 rows (the _pipe columns against the serial ones)
+#   faults-ab       fault handling's cost: bench_allreduce_fusion's distnorm cases from 06bbda4 (which
+#                   brought it), its parent and this tree, alternated (benchmarks/ab_trees.py)
 set -uo pipefail
 N=${N:-2}
 OUT=${OUT:-multi_gpu_out}
@@ -63,6 +67,16 @@ case $STEP in
       --out "$OUT/tp_layer_$tag"
             run tp_layer_fp8 torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_tp_layer.py --model 8b --fp8 \
       --out "$OUT/tp_layer_fp8_$tag" ;;
+  rs-forms) run rs_forms torchrun --master-port "$PORT" --nproc-per-node "$N" -m pytest \
+      tests/multigpu/test_forms_gpu.py -k reducescatter -q -rfs -p no:cacheprovider &&
+            run seqpar_pipe torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_seqpar.py \
+      --no-compile --tokens 2048 8192 16384 --hidden 8192 4096 --out "$OUT/seqpar_pipe_$tag" ;;
+  faults-ab) wt=$(mktemp -d)
+      git worktree add -f --detach "$wt/before" 06bbda4^ >/dev/null 2>&1 &&
+      git worktree add -f --detach "$wt/after" 06bbda4 >/dev/null 2>&1 || { echo "faults-ab: no git history here" >&2; exit 2; }
+      PET_MASTER_PORT=$PORT run faults_ab python benchmarks/ab_trees.py --bench allreduce_fusion --nproc "$N" \
+      --tree "before=$wt/before" --tree "after=$wt/after" --tree "main=." --rounds 2 \
+      --out "$OUT/faults_ab_$tag" -- --no-compile --tokens 1 128 2048 8192 --hidden 4096 --cases '^dn_' ;;
   *) echo "STEP=$STEP: expected one of list, pairs, tests-torchrun, tests-mpirun, tests-plain," \
-          "faults, allreduce, seqpar, fallback, tp-layer" >&2; exit 2 ;;
+          "faults, allreduce, seqpar, fallback, tp-layer, rs-forms, faults-ab" >&2; exit 2 ;;
 esac

@@ -152,3 +152,37 @@ def test_gather_in_place(world):
     """Each rank's rows of the gathered tensor, written in place, end up on every rank (uneven
     shards, a rank without rows at M = 1; gloo: its input is copied out of the output first)."""
     spawn(_gather_in_place_body, world, timeout_s=120, cpu_only=True)
+
+
+def test_overlapped_chunks_start_the_next_collective_before_the_fold():
+    """NOTE [overlapped chunks]: chunk k + 1's collective is issued before chunk k is finished (and
+    after it without overlap, as in a CUDA-graph capture); every chunk is waited on before its
+    finish, and the chunks cover the rows once."""
+    from distnorm.collectives.nopeer import _overlapped
+
+    for overlap, want in ((True, ["start 0", "start 4", "wait 0", "finish 0", "start 8", "wait 4",
+                                  "finish 4", "wait 8", "finish 8"]),
+                          (False, ["start 0", "wait 0", "finish 0", "start 4", "wait 4", "finish 4",
+                                   "start 8", "wait 8", "finish 8"])):
+        log = []
+
+        class Work:
+            def __init__(self, a):
+                self.a = a
+
+            def wait(self):
+                log.append(f"wait {self.a}")
+
+        def start(a, b):
+            log.append(f"start {a}")
+            return (a, b), Work(a)
+
+        def finish(a, b, result):
+            assert result == (a, b) and f"wait {a}" in log
+            log.append(f"finish {a}")
+
+        _overlapped(10, 4, start, finish, overlap)
+        assert log == want, (overlap, log)
+    log.clear()
+    _overlapped(0, 4, start, finish)
+    assert log == []  # no rows: nothing started

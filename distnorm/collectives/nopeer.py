@@ -15,9 +15,13 @@ from N = 4 above about 115 rows at H = 4096 (per-token FP8, residual). The const
 multi-node machine yet), and DISTNORM_NOPEER_FORM=gather|split forces a form (benchmarks, tests).
 Measured on 2 x H200 (benchmarks/results/fallback_h200_x2.md): see the README.
 
-Both are chunked so that the receive buffer stays within the workspace's buffer size. The
-allreduce_out output and the plain all-reduce take rowsplit.allreduce_by_slices (the kernel has no
-T(acc) output).
+Both are chunked so that the receive buffer stays within the workspace's buffer size, and
+NOTE [overlapped chunks]: chunk k + 1's collective (all_gather, or all_to_all) is issued before
+chunk k is folded, so it crosses the network (NCCL's stream) while chunk k's fold runs (the
+compute stream); at most two chunks' receive buffers are alive. The fold is a third to a quarter
+of the gather form's time at 16384 x 8192 on 2 x H200 by byte count; the overlap is not yet
+measured. The allreduce_out output and the plain all-reduce take rowsplit.allreduce_by_slices
+(the kernel has no T(acc) output).
 """
 from __future__ import annotations
 
@@ -135,6 +139,29 @@ class PackedRows:
                 dst[full * S:M].copy_(src[full, :rem])
 
 
+def _overlapped(M: int, chunk_rows: int, start, finish, overlap: bool = True) -> None:
+    """NOTE [overlapped chunks]: start(a, b) issues rows [a, b)'s collective asynchronously and
+    returns (its result, its Work); finish(a, b, result) uses the result once the Work is waited
+    on. Chunk k + 1 is started before chunk k is finished (overlap=False: after, as a
+    synchronous collective would be)."""
+    chunks = [(a, min(M, a + chunk_rows)) for a in range(0, M, chunk_rows)]
+    pending = start(*chunks[0]) if chunks else None
+    for k, (a, b) in enumerate(chunks):
+        result, work = pending
+        if overlap and k + 1 < len(chunks):
+            pending = start(*chunks[k + 1])
+        work.wait()
+        finish(a, b, result)
+        if not overlap and k + 1 < len(chunks):
+            pending = start(*chunks[k + 1])
+
+
+def _overlap_ok(x: Tensor) -> bool:
+    """Overlapped chunks outside CUDA-graph capture only: asynchronous collectives inside a
+    capture have not been run on GPUs yet (the synchronous order is what tests/multigpu covers)."""
+    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def _gather_form(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
                  q_out, scales_out, group, world: int, chunk_rows: int) -> None:
     """NOTE [no-peer forms], gather: per chunk, all_gather x's rows, fold them into the outputs."""
@@ -142,13 +169,18 @@ def _gather_form(x, residual, weight, eps, spec, scale, global_scale, gemma, res
     from distnorm.collectives.dispatch import _rows, _scale_rows
 
     M, H = x.shape
-    for a in range(0, M, chunk_rows):
-        b = min(M, a + chunk_rows)
+
+    def start(a, b):
         parts = torch.empty(world * (b - a), H, dtype=x.dtype, device=x.device)  # gloo: 2-D
-        dist.all_gather_into_tensor(parts, x[a:b].contiguous(), group=group)
-        fold_epilogue(parts.view(world, b - a, H), _rows(residual, a, b), weight, eps, spec, scale, global_scale, gemma,
-                      _rows(residual_out, a, b), _rows(y_out, a, b), _rows(q_out, a, b),
-                      _scale_rows(spec, scales_out, a, b))
+        return parts, dist.all_gather_into_tensor(parts, x[a:b].contiguous(), group=group,
+                                                  async_op=True)
+
+    def finish(a, b, parts):
+        fold_epilogue(parts.view(world, b - a, H), _rows(residual, a, b), weight, eps, spec, scale,
+                      global_scale, gemma, _rows(residual_out, a, b), _rows(y_out, a, b),
+                      _rows(q_out, a, b), _scale_rows(spec, scales_out, a, b))
+
+    _overlapped(M, chunk_rows, start, finish, _overlap_ok(x))
 
 
 def _split_form(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
@@ -168,17 +200,19 @@ def _split_form(x, residual, weight, eps, spec, scale, global_scale, gemma, resi
         fields.append(("scales", sdtype, per_row))
         scale_dst = (torch.empty(M, per_row, dtype=sdtype, device=x.device)
                      if spec.block_scaled and spec.swizzled else scales_out)
-    for a in range(0, M, chunk_rows):
-        b = min(M, a + chunk_rows)
-        parts = exchange_slices(x[a:b], group)  # [N, S, H]
+    dsts = {"residual": residual_out, "y": y_out, "q": q_out, "scales": scale_dst}
+
+    def finish(a, b, parts):  # parts: [N, S, H]
         s0, s1 = slice_bounds(b - a, world, rank)
         packed = PackedRows(parts.shape[1], fields, x.device)
         mine = {name: v[:s1 - s0] for name, v in packed.views().items()}
         fold_epilogue(parts[:, :s1 - s0], None if residual is None else residual[a + s0:a + s1],
                       weight, eps, lin, scale, global_scale, gemma, mine.get("residual"),
                       mine.get("y"), mine.get("q"), mine.get("scales"))
-        dsts = {"residual": residual_out, "y": y_out, "q": q_out, "scales": scale_dst}
         packed.gather_into({name: dsts[name][a:b] for name, *_ in fields}, b - a, group)
+
+    _overlapped(M, chunk_rows, lambda a, b: exchange_slices(x[a:b], group, async_op=True), finish,
+                _overlap_ok(x))
     if scale_dst is not None and scale_dst is not scales_out:
         scales_to_layout(scale_dst, spec, scales_out)
 

@@ -37,9 +37,10 @@ def _world_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def exchange_slices(x: Tensor, group) -> Tensor:
+def exchange_slices(x: Tensor, group, async_op: bool = False):
     """all_to_all of the row split of x [M, H] over group's N ranks: [N, S, H] (S = ceil(M / N)),
-    entry s = rank s's rows of this rank's slice, zero-padded to S rows."""
+    entry s = rank s's rows of this rank's slice, zero-padded to S rows. async_op: (that tensor,
+    the collective's Work), to be waited on before the tensor is read."""
     import torch.distributed as dist
 
     world, _ = _world_rank(group)
@@ -51,8 +52,8 @@ def exchange_slices(x: Tensor, group) -> Tensor:
         send = x.new_zeros(world * S, H)
         send[:M] = x
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.view(world, S, H)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+    return (recv.view(world, S, H), work) if async_op else recv.view(world, S, H)
 
 
 def fold_slices(parts: Tensor, rows: int, acc: Optional[Tensor] = None) -> Tensor:

@@ -1,10 +1,12 @@
-"""Time per tensor-parallel decoder layer (examples/tp_llama.py) in five forms, side by side in one run:
+"""Time per tensor-parallel decoder layer (examples/tp_llama.py) in six forms, side by side in one run:
 
     (a) floor      the layer without its all-reduces (compute only), torch.compile
     (b) eager      NCCL dist.all_reduce + torch ops, eager
     (c) compile    (b) under torch.compile(fullgraph=True, dynamic=False), no fusion pass
     (d) pass       (c) with distnorm.fusion's pass
     (e) distnorm   eager layer with distnorm.tp.AllReduceAddRMSNorm
+    (f) seqpar     eager sequence-parallel layer: distnorm.tp.ReduceScatterAddRMSNorm, the residual
+                   sharded by rows, every row's output gathered for the next GEMM
 
     torchrun --nproc-per-node 2 benchmarks/bench_tp_layer.py --model 8b --out benchmarks/results/tp_layer_h200_x2 [--fp8]
 
@@ -30,9 +32,10 @@ from common import time_graph_us  # noqa: E402
 
 import distnorm  # noqa: E402
 from distnorm.launch import init_distributed  # noqa: E402
-from tp_llama import MODELS, Config, DecoderStack, compile_with_pass, make_inputs  # noqa: E402
+from tp_llama import (MODELS, Config, DecoderStack, compile_with_pass, make_inputs,  # noqa: E402
+                      residual_rows)
 
-FORMS = ("floor", "eager", "compile", "pass", "distnorm")
+FORMS = ("floor", "eager", "compile", "pass", "distnorm", "seqpar")
 
 
 def _callables(cfg, layers, ws, device):
@@ -44,8 +47,9 @@ def _callables(cfg, layers, ws, device):
     compiled = torch.compile(plain, fullgraph=True, dynamic=False)
     with_pass, fusion = compile_with_pass(DecoderStack(cfg, layers, "torch", ws, device), ws)
     fused = DecoderStack(cfg, layers, "distnorm", ws, device)
+    seqpar = DecoderStack(cfg, layers, "seqpar", ws, device)
     return {"floor": floor, "eager": plain, "compile": compiled, "pass": with_pass,
-            "distnorm": fused}, fusion
+            "distnorm": fused, "seqpar": seqpar}, fusion
 
 
 def _time(fn, a, residual, caches) -> float:
@@ -79,7 +83,8 @@ def main() -> None:
                 for name in FORMS:
                     before = len(fusion.fused)
                     try:
-                        row[name] = _time(forms[name], a, residual, caches) / args.layers
+                        res = residual_rows(residual, ws) if name == "seqpar" else residual
+                        row[name] = _time(forms[name], a, res, caches) / args.layers
                         if name == "pass":  # what this shape's compile fused (one compile each)
                             row["pass_sites"] = len(fusion.fused) - before
                     except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
@@ -117,7 +122,8 @@ def write_table(path, meta, rows) -> None:
              f"{meta['layers']} layers (one compile per shape): {meta['fused_sites_per_compile']}.",
              "",
              "| phase | M | (a) floor | (b) eager NCCL | (c) compile | (d) compile + pass | "
-             "(e) distnorm.tp | (d)/(a) | (c)/(d) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "(e) distnorm.tp | (f) seqpar | (d)/(a) | (c)/(d) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = (lambda x, y: f"{x / y:.2f}" if x and y else "")
         lines.append(f"| {r['phase']} | {r['M']} | " + " | ".join(_fmt(r[f]) for f in FORMS)

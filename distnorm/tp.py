@@ -6,6 +6,10 @@ all-reduce, add, RMSNorm and quantization by hand.
     out = down(act_shard, residual)          # out.residual: new residual, out.q / out.scales
     up = distnorm.tp.fp8_linear(out.q, out.scales, w_up_fp8, w_up_scale)   # next FP8 GEMM
 
+Sequence parallel (the residual sharded by rows, `distnorm.shard_rows`): the same with
+ReduceScatterAddRMSNorm, whose forward takes this rank's residual rows and returns its new
+residual rows with the normed / quantized output of every row, for the next column-parallel GEMM.
+
 Everything works eagerly, inside CUDA graphs and under torch.compile(fullgraph=True) (the ops are
 torch.library custom ops). Shapes: activations [..., H] bf16/fp16; the quantized output q has x's
 shape (float8_e4m3fn); per-token scales are float32 [M, 1] for the flattened M rows, static FP8
@@ -19,15 +23,42 @@ import torch
 from torch import Tensor, nn
 
 from distnorm.collectives.ops import allreduce_add_rmsnorm
+from distnorm.collectives.seqpar import reduce_scatter_add_rmsnorm
 from distnorm.comm.workspace import Workspace
 from distnorm.formats import E4M3_MAX, NormQuantOutput, make_quant_spec
 
-__all__ = ["AllReduceAddRMSNorm", "RowParallelLinear", "fp8_linear", "quantize_weight_fp8"]
+__all__ = ["AllReduceAddRMSNorm", "ReduceScatterAddRMSNorm", "RowParallelLinear", "fp8_linear",
+           "quantize_weight_fp8"]
 
 _TP_QUANTS = (None, "fp8", "fp8_per_token")
 
 
-class AllReduceAddRMSNorm(nn.Module):
+class _GroupNorm(nn.Module):
+    """What both norms hold: H, eps, the format (None, static FP8 with its scale buffer, per-token
+    FP8), norm_out, gemma, the workspace and the RMSNorm weight [H] (ones until loaded)."""
+
+    def __init__(self, hidden: int, workspace: Workspace, eps: float, quant: Optional[str],
+                 scale: Optional[float], norm_out: bool, dtype: torch.dtype, device,
+                 gemma: bool) -> None:
+        super().__init__()
+        if quant not in _TP_QUANTS:
+            raise ValueError(f"quant must be one of {_TP_QUANTS}, got {quant!r}")
+        make_quant_spec(quant)
+        if (quant == "fp8") != (scale is not None):
+            raise ValueError("scale (a float > 0) is required for quant='fp8' and only for it")
+        if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+            raise ValueError(f"scale must be a float > 0, got {scale!r}")
+        if not isinstance(workspace, Workspace):
+            raise TypeError(f"workspace must be a distnorm.Workspace, got {type(workspace).__name__}")
+        device = workspace.device if device is None else device
+        self.hidden, self.eps, self.quant, self.norm_out = hidden, float(eps), quant, norm_out
+        self.gemma, self.workspace = gemma, workspace
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+        self.register_buffer("scale", None if scale is None else
+                             torch.tensor([float(scale)], dtype=torch.float32, device=device))
+
+
+class AllReduceAddRMSNorm(_GroupNorm):
     """All-reduce of a row-parallel partial output + residual add + RMSNorm [+ FP8 quantization].
 
     hidden: H. workspace: the TP group's distnorm.Workspace. quant: None (bf16/fp16 y), "fp8"
@@ -42,22 +73,8 @@ class AllReduceAddRMSNorm(nn.Module):
                  quant: Optional[str] = None, scale: Optional[float] = None,
                  norm_out: bool = False, algo: str = "auto", dtype: torch.dtype = torch.bfloat16,
                  device=None, gemma: bool = False) -> None:
-        super().__init__()
-        if quant not in _TP_QUANTS:
-            raise ValueError(f"quant must be one of {_TP_QUANTS}, got {quant!r}")
-        make_quant_spec(quant)
-        if (quant == "fp8") != (scale is not None):
-            raise ValueError("scale (a float > 0) is required for quant='fp8' and only for it")
-        if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
-            raise ValueError(f"scale must be a float > 0, got {scale!r}")
-        if not isinstance(workspace, Workspace):
-            raise TypeError(f"workspace must be a distnorm.Workspace, got {type(workspace).__name__}")
-        device = workspace.device if device is None else device
-        self.hidden, self.eps, self.quant, self.norm_out = hidden, float(eps), quant, norm_out
-        self.algo, self.gemma, self.workspace = algo, gemma, workspace
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
-        self.register_buffer("scale", None if scale is None else
-                             torch.tensor([float(scale)], dtype=torch.float32, device=device))
+        super().__init__(hidden, workspace, eps, quant, scale, norm_out, dtype, device, gemma)
+        self.algo = algo
 
     def forward(self, partial: Tensor, residual: Optional[Tensor]) -> NormQuantOutput:
         return allreduce_add_rmsnorm(partial, residual, self.weight, self.eps,
@@ -66,6 +83,44 @@ class AllReduceAddRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden}, eps={self.eps}, quant={self.quant}, algo={self.algo}"
+
+
+class ReduceScatterAddRMSNorm(_GroupNorm):
+    """Sequence-parallel AllReduceAddRMSNorm: reduce-scatter of a row-parallel partial output, the
+    residual add + RMSNorm [+ FP8] of this rank's rows only, and (gather=True, the default) the
+    normed / quantized rows of every rank gathered for the next column-parallel GEMM. Bitwise the
+    rows AllReduceAddRMSNorm gives for the same inputs (distnorm.reduce_scatter_add_rmsnorm).
+
+    forward(partial [..., H] (every row: this rank's partial sums of all M = prod(...) rows),
+    residual [M_r, H] (this rank's rows, distnorm.shard_rows(M, workspace)) or None) ->
+    NormQuantOutput(residual = new residual rows [M_r, H], y / q with partial's shape (every row;
+    gather=False: the rank's rows [M_r, H]), scales: per-token float32 [M, 1] (gather=False:
+    [M_r, 1]) or the static scale [1]).
+    """
+
+    def __init__(self, hidden: int, workspace: Workspace, eps: float = 1e-6, *,
+                 quant: Optional[str] = None, scale: Optional[float] = None,
+                 norm_out: bool = False, gather: bool = True,
+                 dtype: torch.dtype = torch.bfloat16, device=None, gemma: bool = False) -> None:
+        super().__init__(hidden, workspace, eps, quant, scale, norm_out, dtype, device, gemma)
+        self.gather = bool(gather)
+
+    def forward(self, partial: Tensor, residual: Optional[Tensor]) -> NormQuantOutput:
+        out = reduce_scatter_add_rmsnorm(partial, residual, self.weight, self.eps,
+                                         workspace=self.workspace, quant=self.quant,
+                                         scale=self.scale, norm_out=self.norm_out,
+                                         gemma=self.gemma, gather=self.gather)
+        if not self.gather:
+            return out
+        lead = partial.shape[:-1]  # the gathered rows in partial's leading shape
+        # a new tuple, not _replace: Dynamo (torch 2.11, fullgraph) refused NamedTuple._replace
+        return NormQuantOutput(out.residual,
+                               None if out.y is None else out.y.view(*lead, out.y.shape[-1]),
+                               None if out.q is None else out.q.view(*lead, out.q.shape[-1]),
+                               out.scales, None)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden}, eps={self.eps}, quant={self.quant}, gather={self.gather}"
 
 
 class RowParallelLinear(nn.Module):

@@ -1,10 +1,13 @@
-"""A Llama-style tensor-parallel decoder stack in plain torch, random weights (no downloads), in three
+"""A Llama-style tensor-parallel decoder stack in plain torch, random weights (no downloads), in four
 forms that must agree:
 
 - "torch":    dist.all_reduce + add + F.rms_norm (+ per-token FP8 in plain torch), as a model
               author writes it;
 - "distnorm": the same layer with distnorm.tp.AllReduceAddRMSNorm after each row-parallel GEMM;
-- "torch" compiled with distnorm.fusion's pass, which turns the first into the second.
+- "torch" compiled with distnorm.fusion's pass, which turns the first into the second;
+- "seqpar":   sequence parallel: the residual sharded by rows, distnorm.tp.ReduceScatterAddRMSNorm
+              after each row-parallel GEMM (its rows' norm, every row's output gathered for the
+              next column-parallel GEMM); bitwise the "distnorm" form.
 
 Per layer: column-parallel QKV, attention (scaled_dot_product_attention over a KV cache when
 decoding, causal over the prompt when prefilling; no rotary embedding), row-parallel o_proj ->
@@ -32,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distnorm  # noqa: E402
 from distnorm.fusion import allreduce_fusion_pass, fp8_per_token_quant  # noqa: E402
-from distnorm.tp import AllReduceAddRMSNorm, fp8_linear, quantize_weight_fp8  # noqa: E402
+from distnorm.tp import (AllReduceAddRMSNorm, ReduceScatterAddRMSNorm, fp8_linear,  # noqa: E402
+                         quantize_weight_fp8)
 
 MODELS = {  # Llama-3 layer shapes
     "8b": dict(hidden=4096, inter=14336, heads=32, kv_heads=8),
@@ -54,9 +58,10 @@ class Config:
 
 
 class DecoderLayer(nn.Module):
-    """One layer's shard on this rank. mode: "torch", "distnorm" or "floor" (no all-reduce: the
-    compute-only floor of the benchmark). forward(a, residual, cache) -> (a', h'): a is the normed
-    input (bf16 y, or (q, scales) with fp8), h' the new residual."""
+    """One layer's shard on this rank. mode: "torch", "distnorm", "seqpar" or "floor" (no
+    all-reduce: the compute-only floor of the benchmark). forward(a, residual, cache) -> (a', h'):
+    a is the normed input (bf16 y, or (q, scales) with fp8), h' the new residual ("seqpar": this
+    rank's rows of it, distnorm.shard_rows)."""
 
     def __init__(self, cfg: Config, tp: int, mode: str, ws, seed: int, device, dtype) -> None:
         super().__init__()
@@ -79,15 +84,16 @@ class DecoderLayer(nn.Module):
         if cfg.fp8:
             self.wqkv_t, self.wqkv_s = quantize_weight_fp8(self.wqkv)
             self.wgu_t, self.wgu_s = quantize_weight_fp8(self.wgu)
-        if mode == "distnorm":
+        if mode in ("distnorm", "seqpar"):
             quant = "fp8_per_token" if cfg.fp8 else None
-            self.post_norm = AllReduceAddRMSNorm(H, ws, cfg.eps, quant=quant, dtype=dtype)
-            self.next_norm = AllReduceAddRMSNorm(H, ws, cfg.eps, quant=quant, dtype=dtype)
+            norm = AllReduceAddRMSNorm if mode == "distnorm" else ReduceScatterAddRMSNorm
+            self.post_norm = norm(H, ws, cfg.eps, quant=quant, dtype=dtype)
+            self.next_norm = norm(H, ws, cfg.eps, quant=quant, dtype=dtype)
             self.post_norm.weight.data.copy_(self.w_post)
             self.next_norm.weight.data.copy_(self.w_next)
 
     def _norm(self, partial: Tensor, residual: Tensor, which: str):
-        if self.mode == "distnorm":
+        if self.mode in ("distnorm", "seqpar"):
             out = getattr(self, which + "_norm")(partial, residual)
             return out.residual, ((out.q, out.scales) if self.cfg.fp8 else out.y)
         if self.mode == "torch":
@@ -167,15 +173,27 @@ def compile_with_pass(model: nn.Module, ws) -> tuple:
     return compiled, fusion
 
 
+def residual_rows(residual: Tensor, ws) -> Tensor:
+    """This rank's rows of residual [..., H] (flattened), for the "seqpar" form."""
+    rows = residual.reshape(-1, residual.shape[-1])
+    a, b = distnorm.shard_rows(rows.shape[0], ws)
+    return rows[a:b].clone()
+
+
 def compare_forms(cfg: Config, layers: int, tokens: int, decode: bool, ws, device) -> dict:
-    """Run the three forms on the same inputs; returns the pass's sites and the largest relative
-    difference of the final residual against the plain torch form."""
+    """Run the four forms on the same inputs; returns the pass's sites, the relative difference of
+    the final residual against the plain torch form, and whether the pass and the sequence-parallel
+    form give distnorm.tp's bits."""
     a, residual, caches = make_inputs(cfg, tokens, decode, layers, device)
     torch_model = DecoderStack(cfg, layers, "torch", ws, device)
     fused_model = DecoderStack(cfg, layers, "distnorm", ws, device)
+    seqpar_model = DecoderStack(cfg, layers, "seqpar", ws, device)
     with torch.no_grad():
         _, h_torch = torch_model(a, residual.clone(), caches)
         _, h_fused = fused_model(a, residual.clone(), caches)
+        _, h_rows = seqpar_model(a, residual_rows(residual, ws), caches)
+        h_seqpar = distnorm.all_gather(h_rows, workspace=ws, rows=h_torch.numel() // cfg.hidden
+                                       ).view(h_torch.shape)
         # compiled without the pass first, as a program may: the pass must still run below
         torch.compile(DecoderStack(cfg, layers, "torch", ws, device), fullgraph=True,
                       dynamic=False)(a, residual.clone(), caches)
@@ -186,7 +204,8 @@ def compare_forms(cfg: Config, layers: int, tokens: int, decode: bool, ws, devic
         return ((x.float() - h_torch.float()).norm() / h_torch.float().norm()).item()
     return dict(sites=list(fusion.fused), skipped=list(fusion.skipped),
                 rel_distnorm=rel(h_fused), rel_pass=rel(h_pass),
-                pass_vs_distnorm=torch.equal(h_pass, h_fused))
+                pass_vs_distnorm=torch.equal(h_pass, h_fused),
+                seqpar_vs_distnorm=torch.equal(h_seqpar, h_fused))
 
 
 def _main(args) -> None:
@@ -207,7 +226,8 @@ def _main(args) -> None:
               f"{got['skipped'] or 'none'}")
         print(f"final residual vs plain torch: distnorm.tp {got['rel_distnorm']:.2e}, "
               f"compiled with the pass {got['rel_pass']:.2e}; pass == distnorm.tp bitwise: "
-              f"{got['pass_vs_distnorm']}")
+              f"{got['pass_vs_distnorm']}; sequence parallel == distnorm.tp bitwise: "
+              f"{got['seqpar_vs_distnorm']}")
 
 
 def main() -> None:

@@ -50,6 +50,7 @@ def _body_example(fp8: bool, decode: bool) -> None:
     ws.close()
     assert len(got["sites"]) == 4 and not got["skipped"], got
     assert got["rel_distnorm"] < BOUNDS[fp8] and got["rel_pass"] < BOUNDS[fp8], got
+    assert got["seqpar_vs_distnorm"], got  # the sequence-parallel stack: distnorm.tp's bits
 
 
 @pytest.mark.parametrize("fp8, decode", [(False, True), (True, False)])
@@ -99,6 +100,52 @@ def test_tp_modules_match_the_reference_eager_and_compiled():
     spawn(_body_modules, 2, timeout_s=600, cpu_only=True)
 
 
+def _body_seqpar_module() -> None:
+    """ReduceScatterAddRMSNorm against AllReduceAddRMSNorm on the same inputs, eager and compiled,
+    gathered and not: the rank's residual rows and every row's y / q (partial's shape) and scales
+    bitwise; poisoned inputs never reused (fresh random per format)."""
+    import torch.distributed as dist
+
+    import distnorm
+    from distnorm.tp import AllReduceAddRMSNorm, ReduceScatterAddRMSNorm
+
+    ws = distnorm.Workspace(dist.group.WORLD, device="cpu")
+    H = 256
+    for k, (quant, scale) in enumerate(((None, None), ("fp8", 0.05), ("fp8_per_token", None))):
+        torch.manual_seed(100 * k + dist.get_rank())
+        partial = torch.randn(3, 5, H).to(torch.bfloat16)  # 15 rows: shards of 8 and 7
+        torch.manual_seed(100 * k)
+        residual = torch.randn(3, 5, H).to(torch.bfloat16)
+        weight = torch.rand(H).to(torch.bfloat16) + 0.5
+        a, b = distnorm.shard_rows(15, ws)
+        full = AllReduceAddRMSNorm(H, ws, 1e-6, quant=quant, scale=scale)
+        full.weight.data.copy_(weight)
+        want = full(partial, residual)
+        for gather in (True, False):
+            norm = ReduceScatterAddRMSNorm(H, ws, 1e-6, quant=quant, scale=scale, gather=gather)
+            norm.weight.data.copy_(weight)
+            rows = residual.view(-1, H)[a:b].clone()
+            for got in (norm(partial, rows), torch.compile(norm, fullgraph=True)(partial, rows)):
+                what = f"{quant} gather={gather}"
+                assert torch.equal(got.residual, want.residual.view(-1, H)[a:b]), what
+                mine = slice(None) if gather else slice(a, b)
+                if quant is None:
+                    assert got.y.shape == ((3, 5, H) if gather else (b - a, H)), what
+                    assert torch.equal(got.y.reshape(-1, H), want.y.view(-1, H)[mine]), what
+                    continue
+                assert got.q.shape == ((3, 5, H) if gather else (b - a, H)), what
+                assert torch.equal(got.q.reshape(-1, H).view(torch.uint8),
+                                   want.q.view(-1, H)[mine].view(torch.uint8)), what
+                want_s = want.scales if quant == "fp8" else want.scales[mine]
+                assert torch.equal(got.scales, want_s), what
+    ws.close()
+
+
+def test_sequence_parallel_module_matches_the_all_reduce_module():
+    skip_inductor_cpu_check_where_a_gpu_is()
+    spawn(_body_seqpar_module, 2, timeout_s=600, cpu_only=True)
+
+
 def test_fp8_linear_matches_a_dequantized_matmul():
     from distnorm.reference import add_rmsnorm_ref
     from distnorm.tp import fp8_linear, quantize_weight_fp8
@@ -120,16 +167,18 @@ def test_fp8_linear_matches_a_dequantized_matmul():
         assert torch.allclose(got.float().view(-1, 48), want, rtol=2e-2, atol=2e-2)
 
 
-def test_module_argument_errors():
+@pytest.mark.parametrize("module", ["AllReduceAddRMSNorm", "ReduceScatterAddRMSNorm"])
+def test_module_argument_errors(module):
     import distnorm
-    from distnorm.tp import AllReduceAddRMSNorm
+    from distnorm import tp
 
+    norm = getattr(tp, module)
     ws = object.__new__(distnorm.Workspace)
     with pytest.raises(ValueError, match="quant must be one of"):
-        AllReduceAddRMSNorm(256, ws, quant="nvfp4")
+        norm(256, ws, quant="nvfp4")
     with pytest.raises(ValueError, match="scale .* is required for quant='fp8'"):
-        AllReduceAddRMSNorm(256, ws, quant="fp8")
+        norm(256, ws, quant="fp8")
     with pytest.raises(ValueError, match="scale must be a float > 0"):
-        AllReduceAddRMSNorm(256, ws, quant="fp8", scale=-1.0)
+        norm(256, ws, quant="fp8", scale=-1.0)
     with pytest.raises(TypeError, match="distnorm.Workspace"):
-        AllReduceAddRMSNorm(256, "ws")
+        norm(256, "ws")

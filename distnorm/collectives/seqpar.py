@@ -97,6 +97,10 @@ def reduce_scatter_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Te
     start, stop = slice_bounds(M, world, rank)
     if residual is not None:
         check_rows("residual", residual, x2, (stop - start, H))
+        residual = residual.detach()
+    # an inference op, like the all-reduce ops (whose outputs are written in place): a TP layer's
+    # weight is a Parameter, and torch.compile would trace a backward the op does not have
+    x2, weight = x2.detach(), weight.detach()
     if torch.compiler.is_compiling():
         h, y, q, s = _reduce_scatter_op(x2, residual, weight, float(eps), spec_code(spec), scale,
                                         global_scale, gemma, norm_out, gather, _handle(workspace))

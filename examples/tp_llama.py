@@ -203,7 +203,7 @@ def compare_forms(cfg: Config, layers: int, tokens: int, decode: bool, ws, devic
     def rel(x):
         return ((x.float() - h_torch.float()).norm() / h_torch.float().norm()).item()
     return dict(sites=list(fusion.fused), skipped=list(fusion.skipped),
-                rel_distnorm=rel(h_fused), rel_pass=rel(h_pass),
+                rel_distnorm=rel(h_fused), rel_pass=rel(h_pass), rel_seqpar=rel(h_seqpar),
                 pass_vs_distnorm=torch.equal(h_pass, h_fused),
                 seqpar_vs_distnorm=torch.equal(h_seqpar, h_fused))
 

@@ -51,6 +51,7 @@ def _body_example(fp8: bool, decode: bool) -> None:
     assert len(got["sites"]) == 4 and not got["skipped"], got
     assert got["rel_distnorm"] < BOUNDS[fp8] and got["rel_pass"] < BOUNDS[fp8], got
     assert got["seqpar_vs_distnorm"], got  # the sequence-parallel stack: distnorm.tp's bits
+    assert got["rel_seqpar"] == got["rel_distnorm"], got
 
 
 @pytest.mark.parametrize("fp8, decode", [(False, True), (True, False)])

@@ -40,6 +40,9 @@ def _body(fp8: bool, decode: bool) -> None:
             print(f"\n[tp] fp8={fp8} decode={decode}: {got}", flush=True)
             assert len(got["sites"]) == 4 and not got["skipped"], got
             assert got["rel_distnorm"] < BOUNDS[fp8] and got["rel_pass"] < BOUNDS[fp8], got
+            # the sequence-parallel stack: within the bound here (the fused SDPA kernels' output
+            # may differ in the last bit from run to run on GPUs, below), bitwise on the CPU
+            assert got["rel_seqpar"] < BOUNDS[fp8], got
             if decode:  # a decode step of the distnorm.tp form in a CUDA graph
                 model = DecoderStack(cfg, 2, "distnorm", ws, device)
                 a, residual, caches = make_inputs(cfg, 8, True, 2, device)

@@ -6,7 +6,9 @@ gathered for the next GEMM, side by side in one run with the unfused chain and a
                         kernels/rowgather.py)
     dn_rs_<fmt>_gather_nccl  the same, gathered by NCCL all_gather (Tuning.gather_by = "nccl")
     dn_rs_<fmt>_gather_pipe  the same, the reduce-scatter in its "pipelined" form
-                        (Tuning.reducescatter_form; NOTE [reduce-scatter rounds])
+                        (Tuning.reducescatter_form; NOTE [reduce-scatter rounds]); _batched: the
+                        row gather in its "batched" form (Tuning.rowgather_form; NOTE [row gather
+                        batches]); _both: both
     dn_rs_<fmt>         the same without the gather (the shard's outputs only); dn_rs_<fmt>_pipe in
                         the "pipelined" form
     unfused_fp8         NCCL reduce_scatter + add + RMSNorm + static FP8 in torch + NCCL all_gather
@@ -72,16 +74,17 @@ def same_bytes(a, b) -> bool:
 def outputs_match(x, res, w, ws) -> bool:
     """Every format and reduce-scatter form: the shard's residual and the gathered q / scales
     bitwise the fused all-reduce's (the op's contract)."""
-    from distnorm.collectives.plan import REDUCESCATTER_FORMS
+    from distnorm.collectives.plan import REDUCESCATTER_FORMS, ROWGATHER_FORMS
 
     a, b = distnorm.shard_rows(x.shape[0], ws)
     ok = True
     for fmt in FORMATS:
         kw = format_kwargs(fmt, x.device)
         full = distnorm.allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, **kw)
-        for form in REDUCESCATTER_FORMS:
+        for rs_form, rg_form in zip(REDUCESCATTER_FORMS, ROWGATHER_FORMS):
             got = tuned(ws, lambda: distnorm.reduce_scatter_add_rmsnorm(
-                x, res[a:b], w, EPS, workspace=ws, gather=True, **kw), reducescatter_form=form)
+                x, res[a:b], w, EPS, workspace=ws, gather=True, **kw),
+                reducescatter_form=rs_form, rowgather_form=rg_form)
             ok &= same_bytes(got.residual, full.residual[a:b]) and same_bytes(got.q, full.q)
             if fmt != "fp8":
                 ok &= same_bytes(got.scales, full.scales)
@@ -89,7 +92,7 @@ def outputs_match(x, res, w, ws) -> bool:
 
 
 def tuned(ws, call, **fields):
-    """call() with the workspace's Tuning fields set (restored after): gather_by, reducescatter_form."""
+    """call() with the workspace's Tuning fields set (restored after): gather_by, the forms."""
     import dataclasses
 
     from distnorm.collectives.state import state_of
@@ -117,9 +120,12 @@ def cases(x, res, w, ws, nccl: bool, symm, compiled_tail) -> dict:
         c[f"dn_rs_{fmt}_gather_nccl"] = lambda kw=kw: tuned(ws, lambda: (
             distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws, gather=True,
                                                 **kw)), gather_by="nccl")
-        c[f"dn_rs_{fmt}_gather_pipe"] = lambda kw=kw: tuned(ws, lambda: (
-            distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws, gather=True,
-                                                **kw)), reducescatter_form="pipelined")
+        for tag, forms in (("pipe", {"reducescatter_form": "pipelined"}),
+                           ("batched", {"rowgather_form": "batched"}),
+                           ("both", {"reducescatter_form": "pipelined", "rowgather_form": "batched"})):
+            c[f"dn_rs_{fmt}_gather_{tag}"] = lambda kw=kw, forms=forms: tuned(ws, lambda: (
+                distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws,
+                                                    gather=True, **kw)), **forms)
         c[f"dn_rs_{fmt}"] = lambda kw=kw: distnorm.reduce_scatter_add_rmsnorm(
             x, res_shard, w, EPS, workspace=ws, **kw)
         c[f"dn_rs_{fmt}_pipe"] = lambda kw=kw: tuned(ws, lambda: (

@@ -74,6 +74,8 @@ ALLREDUCE = [
 # (world, copy unit per segment) of the row gather (kernels/rowgather.py): q alone; q, per-token
 # scales and y; world 4 and 8
 ROWGATHER = [(2, (16,)), (2, (16, 4, 16)), (4, (16, 4)), (8, (16, 16, 4))]
+# NOTE [row gather batches]: the "batched" form (world 2 and 8, three segments)
+ROWGATHER_BATCHED = [(2, (16, 4, 16)), (8, (16, 16, 4))]
 
 
 def allreduce_args(v: tuple) -> tuple:
@@ -101,6 +103,9 @@ def kernel_variants() -> list:
     for world, units in ROWGATHER:
         variants.append((f"rowgather_{world}_" + "_".join(map(str, units)),
                          lambda w=world, u=units: compiled_rowgather(w, u)))
+    for world, units in ROWGATHER_BATCHED:
+        variants.append((f"rowgather_batched_{world}_" + "_".join(map(str, units)),
+                         lambda w=world, u=units: compiled_rowgather(w, u, "batched")))
     for world in (2, 4, 8):
         for barrier_only in (False, True):
             variants.append((f"barrier_{world}_{barrier_only}",

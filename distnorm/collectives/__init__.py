@@ -14,8 +14,13 @@
     peergather.py their all-gathers through the peer mappings (the row gather kernel)
 """
 from distnorm.collectives.ops import allreduce, allreduce_add_rmsnorm, check, reset
+from distnorm.collectives.plan import check_shared_settings
 from distnorm.collectives.seqpar import (all_gather, all_gather_scales,
                                          reduce_scatter_add_rmsnorm, shard_rows)
+from distnorm.comm.workspace import Workspace
+
+if check_shared_settings not in Workspace.open_checks:  # the settings ranks must share
+    Workspace.open_checks.append(check_shared_settings)
 
 __all__ = ["allreduce", "allreduce_add_rmsnorm", "reset", "check", "reduce_scatter_add_rmsnorm",
            "all_gather", "all_gather_scales", "shard_rows"]

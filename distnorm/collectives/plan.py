@@ -16,7 +16,7 @@ from distnorm.collectives.layout import (LAMPORT_AREAS, REGION_LAMPORT, REGION_O
                                          lamport_split)
 
 __all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "ALGORITHM_FORMS", "GATHER_BY", "LAMPORT_FORMS",
-           "REDUCESCATTER_FORMS", "TWOSHOT_FORMS", "settings_ranks_share",
+           "REDUCESCATTER_FORMS", "ROWGATHER_FORMS", "TWOSHOT_FORMS", "settings_ranks_share", "check_shared_settings",
            "Tuning", "choose_algo", "lamport_capacity",
            "max_chunk_rows", "plan_launch", "LAMPORT_CROSSOVER_BYTES", "LAMPORT_CROSSOVER_BYTES_PLAIN",
            "ONESHOT_CROSSOVER_BYTES"]
@@ -117,10 +117,14 @@ LAMPORT_FORMS = ("poll-all", "poll-unseen")
 # benchmarks/results/seqpar_h200_x2.md measured) or "pipelined" (rounds of pushes and barriers, the
 # epilogue of one round while the next crosses the link). "pipelined" is to be measured.
 REDUCESCATTER_FORMS = ("serial", "pipelined")
+# How the row gather (kernels/rowgather.py) keeps bytes in flight (NOTE [row gather batches]):
+# "unit" (one 16-byte unit per thread at a time: what seqpar_h200_x2.md measured) or "batched"
+# (several loads first, then their stores). "batched" is to be measured.
+ROWGATHER_FORMS = ("unit", "batched")
 # Each algorithm's forms (a compile-time choice that keeps the bits), the default first; Tuning
 # holds algorithm A's as the field `A_form`, read from DISTNORM_<A>_FORM.
 ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
-                   "reducescatter": REDUCESCATTER_FORMS}
+                   "reducescatter": REDUCESCATTER_FORMS, "rowgather": ROWGATHER_FORMS}
 # Who gathers the sequence-parallel ops' rows when the workspace has peer mappings (Tuning.gather_by),
 # the default first: the peers beat NCCL's all_gather at every size measured on 2 x H200 (FP8 at
 # 512 x 8192 35.4 vs 46.5 us, 16384 x 8192 796 vs 806: benchmarks/results/seqpar_h200_x2.md)
@@ -142,6 +146,7 @@ class Tuning:
     lamport_form: one of LAMPORT_FORMS (how a lamport reader polls; same bits).
     reducescatter_form: one of REDUCESCATTER_FORMS (the sequence-parallel reduce-scatter's
       overlap of epilogue and pushes; same bits).
+    rowgather_form: one of ROWGATHER_FORMS (the row gather's bytes in flight; same bytes).
     timeout_s: how long a CTA waits for a peer before it records a timeout and gives up.
     host_timeout_s: how long a host-side wait for the group (the first lamport call's preparation,
       reset) lasts before it raises: long, because ranks reach their first call at different times
@@ -157,6 +162,7 @@ class Tuning:
     twoshot_form: str = TWOSHOT_FORMS[0]
     lamport_form: str = LAMPORT_FORMS[0]
     reducescatter_form: str = REDUCESCATTER_FORMS[0]
+    rowgather_form: str = ROWGATHER_FORMS[0]
     max_ctas: Mapping[str, int] = field(default_factory=dict)
     gather_by: str = GATHER_BY[0]
 
@@ -189,8 +195,8 @@ class Tuning:
         """The defaults, overridden by DISTNORM_PDL=0 (no programmatic dependent launch),
         DISTNORM_BARRIER_TIMEOUT_S and DISTNORM_HOST_TIMEOUT_S (seconds), DISTNORM_TWOSHOT_FORM
         (one of TWOSHOT_FORMS), DISTNORM_LAMPORT_FORM (one of LAMPORT_FORMS),
-        DISTNORM_REDUCESCATTER_FORM (one of REDUCESCATTER_FORMS) and DISTNORM_GATHER_BY (one of
-        GATHER_BY)."""
+        DISTNORM_REDUCESCATTER_FORM (one of REDUCESCATTER_FORMS), DISTNORM_ROWGATHER_FORM (one of
+        ROWGATHER_FORMS) and DISTNORM_GATHER_BY (one of GATHER_BY)."""
         return cls(pdl=pdl_from_env(), gather_by=_form("DISTNORM_GATHER_BY", GATHER_BY),
                    timeout_s=_seconds("DISTNORM_BARRIER_TIMEOUT_S", cls.timeout_s),
                    host_timeout_s=_seconds("DISTNORM_HOST_TIMEOUT_S", cls.host_timeout_s),
@@ -208,6 +214,21 @@ def settings_ranks_share() -> dict[str, str]:
             **{f"DISTNORM_{algo.upper()}_FORM": os.environ.get(f"DISTNORM_{algo.upper()}_FORM",
                                                                forms[0])
                for algo, forms in ALGORITHM_FORMS.items()}}
+
+
+def check_shared_settings(boot) -> None:
+    """Collective over `boot` (a comm.Bootstrap): ValueError on every rank when the ranks resolve
+    a setting of settings_ranks_share to different values, naming each rank's. Registered as a
+    Workspace open check (collectives/__init__.py): it runs when a workspace is built, rather than
+    surfacing as a timeout in a later call."""
+    every = boot.all_gather_object(settings_ranks_share())
+    differ = [k for k in every[0] if len({e.get(k) for e in every}) > 1]
+    if differ:
+        detail = "; ".join(f"{k}: " + ", ".join(f"rank {r} {e.get(k)!r}" for r, e in enumerate(every))
+                           for k in differ)
+        raise ValueError(f"distnorm.comm.Workspace: the ranks set {', '.join(differ)} differently "
+                         f"({detail}); set them alike on every rank (they choose the collectives "
+                         "and kernels each call runs)")
 
 
 def pdl_from_env() -> bool:

@@ -138,22 +138,6 @@ def _ranks_per_node(ranks_per_node: Any, world: int) -> int | None:
     return ranks_per_node
 
 
-def _check_shared_settings(boot: Bootstrap) -> None:
-    """Collective: ValueError on every rank when the ranks resolve a setting they must share
-    (collectives.plan.settings_ranks_share: DISTNORM_GATHER_BY, the forms) to different values,
-    naming each rank's. Here, at construction, rather than as a timeout in a later call."""
-    from distnorm.collectives.plan import settings_ranks_share
-
-    every = boot.all_gather_object(settings_ranks_share())
-    differ = [k for k in every[0] if len({e.get(k) for e in every}) > 1]
-    if differ:
-        detail = "; ".join(f"{k}: " + ", ".join(f"rank {r} {e.get(k)!r}" for r, e in enumerate(every))
-                           for k in differ)
-        raise ValueError(f"distnorm.comm.Workspace: the ranks set {', '.join(differ)} differently "
-                         f"({detail}); set them alike on every rank (they choose the collectives "
-                         "and kernels each call runs)")
-
-
 def _topology_problem(boot: Bootstrap, device_index: int) -> str | None:
     """Collective: why this group cannot use peer mappings (same answer on all ranks), or None."""
     import torch
@@ -254,7 +238,7 @@ class Workspace:
         self.signal_ptrs: Any = None
         with torch.cuda.device(self.device_index):
             # collectives on the rank's own device (NCCL's object gathers stage through it)
-            _check_shared_settings(boot)
+            self._run_open_checks(boot)
             self.error_flag = _pinned_zeros(ERROR_WORDS)
             problem = _topology_problem(boot, self.device_index)
             self.single_node = problem is None or not problem.startswith("group spans")
@@ -277,12 +261,22 @@ class Workspace:
                     raise
         self._closed = False
 
+    #: collective checks every rank runs while a workspace is built, each (bootstrap) -> None and
+    #: raising on every rank alike; the op layers register theirs (collectives/__init__.py: the
+    #: settings every rank must share), so this module needs nothing of theirs
+    open_checks: list = []
+
+    @staticmethod
+    def _run_open_checks(boot: Bootstrap) -> None:
+        for check in Workspace.open_checks:
+            check(boot)
+
     def _open_cpu(self, group: Any) -> None:
         import torch
 
         self._torch = torch
         self._boot = resolve_bootstrap(group)
-        _check_shared_settings(self._boot)
+        self._run_open_checks(self._boot)
         self.group = self._boot.group
         self.rank, self.world_size = self._boot.rank, self._boot.world_size
         self.device_index, self.device = -1, torch.device("cpu")

@@ -74,12 +74,13 @@ def compiled_allreduce(algo: str, world: int, dtype: str, hidden: int, quant: Qu
 
 
 @compat.compiled_kernel(PeerRowGather)
-def compiled_rowgather(world: int, units: tuple) -> tuple:
+def compiled_rowgather(world: int, units: tuple, form: str = "") -> tuple:
     """The compiled row gather (kernels/rowgather.py) for `world` ranks and one copy unit (16 or 4
-    bytes) per segment; call as f(buffer_ptrs, signal_ptrs, err, src0, dst0, rb0, src1, dst1, rb1,
-    src2, dst2, rb2, m, shard, row0, chunk_rows, rank, ctas, timeout_ns) with the addresses as
-    ints (segments past len(units): zeros)."""
-    kernel = PeerRowGather(world, tuple(units))
+    bytes) per segment, in `form` (plan.ROWGATHER_FORMS; "" = the default); call as
+    f(buffer_ptrs, signal_ptrs, err, src0, dst0, rb0, src1, dst1, rb1, src2, dst2, rb2, m, shard,
+    row0, chunk_rows, rank, ctas, timeout_ns) with the addresses as ints (segments past
+    len(units): zeros)."""
+    kernel = PeerRowGather(world, tuple(units), form)
     bufp = compat.make_fake_tensor(cutlass.Int64, (world,), (1,), assumed_align=8)
     sigp = compat.make_fake_tensor(cutlass.Int64, (world,), (1,), assumed_align=8)
     err = compat.make_fake_tensor(cutlass.Int32, (4,), (1,), assumed_align=16)

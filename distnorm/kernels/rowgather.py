@@ -17,6 +17,15 @@ Buffer, per segment k (16-byte aligned, one after the other from offset 0): [N][
 bytes. Unit u of a shard's chunk is moved by CTA (u // THREADS) mod grid on every rank, in both
 phases, so every dependency is between same-index CTAs (what cta_barrier orders). The bytes are
 copied, never interpreted: the gathered rows are bitwise the shards'.
+
+NOTE [row gather batches]: in the "unit" form (the default) a thread loads one unit, stores it,
+then loads the next, so one unit per thread is in flight: about 0.5 MB over an H200's SMs, at
+the edge of what the NVLink latency needs (the gather moved 252 GB/s at 16384 x 8192 FP8 on 2 x
+H200, where two-shot's pushes reach ~390). The "batched" form (plan.ROWGATHER_FORMS, a Tuning
+knob) loads BATCH units of a thread's next BATCH THREADS-unit chunks first (their CTAs are the
+same: c, c + grid, ... are all this CTA's), then stores them: BATCH units in flight. A load past
+the rows reads unit 0 of the same rows instead (always in bounds) and its stores are skipped.
+Same bytes to the same places.
 """
 from __future__ import annotations
 
@@ -27,15 +36,17 @@ from cutlass import Int32, Int64, const_expr
 # absolute imports: the 4.3.5 DSL preprocessor needs them
 from distnorm.collectives.layout import (CALL_W_LAST, DEVICE_ERROR_WORD, REGION_ROWGATHER,
                                          region_word)
+from distnorm.collectives.plan import ALGORITHM_FORMS
 from distnorm.collectives.signature import (GRID_MULTIPLIER, SIGNATURE_MULTIPLIER,
                                             CallDescriptor, signature_constant)
 from distnorm.formats import NO_QUANT
 from distnorm.kernels.sync import cta_barrier, ld_volatile_sys_u32, st_volatile_sys_v4_u32
 
-__all__ = ["PeerRowGather", "THREADS", "MAX_SEGMENTS", "area_bytes"]
+__all__ = ["PeerRowGather", "THREADS", "MAX_SEGMENTS", "BATCH", "area_bytes"]
 
 THREADS = 256
 MAX_SEGMENTS = 3
+BATCH = 4  # NOTE [row gather batches]: units in flight per thread in the "batched" form
 
 
 def area_bytes(world: int, chunk_rows: int, row_bytes: int) -> int:
@@ -48,16 +59,20 @@ class PeerRowGather:
     addresses are multiples of it). Run-time: the segments' addresses and row bytes, M, S, the
     chunk (row0, C), rank, grid, timeout, the peer tables."""
 
-    def __init__(self, world: int, units: tuple):
+    def __init__(self, world: int, units: tuple, form: str = ""):
         assert 1 <= len(units) <= MAX_SEGMENTS and all(u in (4, 16) for u in units), units
+        forms = ALGORITHM_FORMS["rowgather"]
+        form = form or forms[0]
+        assert form in forms, form
         self.world = world
         self.units = tuple(units)
+        self.batch = BATCH if form == "batched" else 1  # NOTE [row gather batches]
         self.region_word = region_word(REGION_ROWGATHER)
         # NOTE [call descriptor] in kernels/allreduce.py: word 1 carries the units (the row bytes
         # are run-time; the host folds them into M's word through the signature below)
         code = sum((4 if u == 16 else 1) << (3 * k) for k, u in enumerate(self.units))
         self.desc = CallDescriptor(0, code, "rowgather", "bfloat16", NO_QUANT, False, False,
-                                   False, False, world).words()
+                                   False, False, world, form).words()
         self.sig_const = signature_constant(self.desc)
 
     @cute.jit
@@ -95,11 +110,73 @@ class PeerRowGather:
     @cute.jit
     def _copy_unit(self, src: Int64, dst: Int64, unit: cutlass.Constexpr):
         """`unit` bytes from src to dst (both aligned to it), as int32 words."""
-        words = unit // 4
-        v = cute.make_tensor(cute.make_ptr(Int32, src, cute.AddressSpace.gmem, assumed_align=unit),
-                             cute.make_layout(words)).load()
+        self._store_unit(self._load_unit(src, unit), dst, unit)
+
+    @cute.jit
+    def _load_unit(self, src: Int64, unit: cutlass.Constexpr):
+        """`unit` bytes at src (aligned to it) as int32 words in registers."""
+        return cute.make_tensor(cute.make_ptr(Int32, src, cute.AddressSpace.gmem,
+                                              assumed_align=unit), cute.make_layout(unit // 4)).load()
+
+    @cute.jit
+    def _store_unit(self, v, dst: Int64, unit: cutlass.Constexpr):
         cute.make_tensor(cute.make_ptr(Int32, dst, cute.AddressSpace.gmem, assumed_align=unit),
-                         cute.make_layout(words)).store(v)
+                         cute.make_layout(unit // 4)).store(v)
+
+    def _batch_frags(self, unit: int) -> list:
+        """One register fragment of `unit` bytes (int32 words) per unit of a batch, made before
+        the loops (NOTE [row gather batches]): the loads fill them, the stores read them."""
+        return [cute.make_rmem_tensor(cute.make_layout(unit // 4), Int32)
+                for _ in range(self.batch)]
+
+    @cute.jit
+    def _push_batched(self, mBuf, rank: Int32, my_src: Int64, my_dst: Int64, area: Int64,
+                      units_mine: Int32, chunks: Int32, bidx: Int32, nblk: Int32, tidx: Int32,
+                      unit: cutlass.Constexpr):
+        """Phase 1 of one segment in the "batched" form (NOTE [row gather batches])."""
+        frags = self._batch_frags(unit)
+        end = chunks
+        if units_mine == Int32(0):
+            end = Int32(0)  # no row of mine in this chunk: nothing to load, not even unit 0
+        for c0 in range(bidx, end, nblk * Int32(self.batch)):
+            for j in cutlass.range_constexpr(self.batch):
+                u = (c0 + Int32(j) * nblk) * Int32(THREADS) + tidx
+                if u >= units_mine:
+                    u = Int32(0)
+                frags[j].store(self._load_unit(my_src + Int64(u) * Int64(unit), unit))
+            for j in cutlass.range_constexpr(self.batch):
+                u = (c0 + Int32(j) * nblk) * Int32(THREADS) + tidx
+                if u < units_mine:
+                    off = Int64(u) * Int64(unit)
+                    if my_src != my_dst:
+                        self._store_unit(frags[j].load(), my_dst + off, unit)
+                    for s in cutlass.range_constexpr(self.world):
+                        if Int32(s) != rank:
+                            self._store_unit(frags[j].load(), mBuf[s] + area + off, unit)
+
+    @cute.jit
+    def _copy_out_batched(self, own: Int64, base: Int64, dst: Int64, rb64: Int64, m: Int32,
+                          shard: Int32, row0: Int32, crows: Int32, rank: Int32, chunks: Int32,
+                          bidx: Int32, nblk: Int32, tidx: Int32, unit: cutlass.Constexpr):
+        """Phase 2 of one segment in the "batched" form: the other shards' rows out of my areas
+        (a load past a shard's rows reads unit 0 of its area: in the buffer whatever the rows)."""
+        frags = self._batch_frags(unit)
+        for c0 in range(bidx, chunks, nblk * Int32(self.batch)):
+            for s in cutlass.range_constexpr(self.world):
+                if Int32(s) != rank:
+                    units_s = Int32(Int64(self._chunk_rows(m, shard, row0, crows, Int32(s))) * rb64
+                                    // Int64(unit))
+                    src = own + base + Int64(s) * Int64(crows) * rb64
+                    for j in cutlass.range_constexpr(self.batch):
+                        u = (c0 + Int32(j) * nblk) * Int32(THREADS) + tidx
+                        if u >= units_s:
+                            u = Int32(0)
+                        frags[j].store(self._load_unit(src + Int64(u) * Int64(unit), unit))
+                    for j in cutlass.range_constexpr(self.batch):
+                        u = (c0 + Int32(j) * nblk) * Int32(THREADS) + tidx
+                        if u < units_s:
+                            self._store_unit(frags[j].load(), dst + (Int64(s) * Int64(shard)
+                                             + Int64(row0)) * rb64 + Int64(u) * Int64(unit), unit)
 
     @cute.kernel
     def kernel(self, mBuf: cute.Tensor, mSig: cute.Tensor, mErr: cute.Tensor, src0: Int64,
@@ -132,15 +209,19 @@ class PeerRowGather:
             my_dst = dst + (Int64(rank) * Int64(shard) + Int64(row0)) * rb64
             if healthy == Int32(0):
                 chunks = Int32(0)
-            for c in range(bidx, chunks, nblk):
-                u = c * Int32(THREADS) + tidx
-                if u < units_mine:
-                    off = Int64(u) * Int64(unit)
-                    if my_src != my_dst:
-                        self._copy_unit(my_src + off, my_dst + off, unit)
-                    for s in cutlass.range_constexpr(self.world):
-                        if Int32(s) != rank:
-                            self._copy_unit(my_src + off, mBuf[s] + area + off, unit)
+            if const_expr(self.batch > 1):
+                self._push_batched(mBuf, rank, my_src, my_dst, area, units_mine, chunks, bidx,
+                                   nblk, tidx, unit)
+            else:
+                for c in range(bidx, chunks, nblk):
+                    u = c * Int32(THREADS) + tidx
+                    if u < units_mine:
+                        off = Int64(u) * Int64(unit)
+                        if my_src != my_dst:
+                            self._copy_unit(my_src + off, my_dst + off, unit)
+                        for s in cutlass.range_constexpr(self.world):
+                            if Int32(s) != rank:
+                                self._copy_unit(my_src + off, mBuf[s] + area + off, unit)
             base = base + self._area(crows, rb64)
         failed = cta_barrier(mSig, rank, self.world, self.region_word, bidx, timeout, mErr, sig)
 
@@ -153,16 +234,21 @@ class PeerRowGather:
             chunks = self._chunks(crows, rb64, unit)
             if failed != Int32(0):
                 chunks = Int32(0)
-            for c in range(bidx, chunks, nblk):
-                u = c * Int32(THREADS) + tidx
-                off = Int64(u) * Int64(unit)
-                for s in cutlass.range_constexpr(self.world):
-                    if Int32(s) != rank:
-                        rows_s = self._chunk_rows(m, shard, row0, crows, Int32(s))
-                        if u < Int32(Int64(rows_s) * rb64 // Int64(unit)):
-                            self._copy_unit(
-                                own + base + Int64(s) * Int64(crows) * rb64 + off,
-                                dst + (Int64(s) * Int64(shard) + Int64(row0)) * rb64 + off, unit)
+            if const_expr(self.batch > 1):
+                self._copy_out_batched(own, base, dst, rb64, m, shard, row0, crows, rank, chunks,
+                                       bidx, nblk, tidx, unit)
+            else:
+                for c in range(bidx, chunks, nblk):
+                    u = c * Int32(THREADS) + tidx
+                    off = Int64(u) * Int64(unit)
+                    for s in cutlass.range_constexpr(self.world):
+                        if Int32(s) != rank:
+                            rows_s = self._chunk_rows(m, shard, row0, crows, Int32(s))
+                            if u < Int32(Int64(rows_s) * rb64 // Int64(unit)):
+                                self._copy_unit(
+                                    own + base + Int64(s) * Int64(crows) * rb64 + off,
+                                    dst + (Int64(s) * Int64(shard) + Int64(row0)) * rb64 + off,
+                                    unit)
             base = base + self._area(crows, rb64)
         # nobody may push into my areas (next launch) while I still read them
         cta_barrier(mSig, rank, self.world, self.region_word, bidx, timeout, mErr, sig)

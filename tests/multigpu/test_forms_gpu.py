@@ -21,7 +21,7 @@ import torch
 from allreduce_cases import (BUFFER_BYTES, algo_capacity_rows, checked_on_every_rank,
                              group_bootstrap, make_inputs, quant_kwargs, quant_spec)
 from harness import MULTIGPU_MARKS, all_gather_tensors, gathered_check
-from distnorm.collectives.plan import ALGORITHM_FORMS, REDUCESCATTER_FORMS
+from distnorm.collectives.plan import ALGORITHM_FORMS, REDUCESCATTER_FORMS, ROWGATHER_FORMS
 from distnorm.launch import run_distributed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,7 +41,8 @@ MIXED_SIZES = (1, 7, 100, 2048, 64)
 MIXED_FORMAT = CASES[0][0]
 MIXED_ALGOS = ("twoshot", "oneshot", "lamport", "twoshot", "lamport")
 # the all-reduce algorithms' forms (the reduce-scatter's have their own test)
-ALLREDUCE_FORMS = {a: f for a, f in ALGORITHM_FORMS.items() if a != "reducescatter"}
+ALLREDUCE_FORMS = {a: f for a, f in ALGORITHM_FORMS.items()
+                   if a not in ("reducescatter", "rowgather")}
 # (format, M, max_ctas): the reduce-scatter's shards; 8 CTAs cut 65 rows into uneven rounds and
 # more rounds than rows, 1000 rows per shard take every CTA of the grid for several groups
 RS_CASES = [("fp8_per_token", 2000, 0), ("nvfp4", 129, 8), ("none", 3, 0), ("mxfp8", 1000, 5)]
@@ -128,7 +129,8 @@ def _poison_free_memory() -> None:
 
 
 def _body_reducescatter_forms_agree() -> None:
-    """Both reduce-scatter forms (NOTE [reduce-scatter rounds]) on RS_CASES, gathered and not:
+    """Both reduce-scatter forms (NOTE [reduce-scatter rounds]) on RS_CASES, gathered and not (the
+    pipelined form's rows by the row gather's batched form, NOTE [row gather batches]):
     the shard's residual, y, q and scales and the gathered rows bitwise those of the "serial" form
     and of allreduce_add_rmsnorm's rows; then the two forms back to back (with the all-reduce
     between them), never synchronized, bitwise the same again."""
@@ -151,8 +153,10 @@ def _body_reducescatter_forms_agree() -> None:
         default = state.tuning
 
         def run(form, qname, M, max_ctas, gather, x, res, w, kw):
+            # the pipelined form's rows are gathered in the row gather's batched form
             state.tuning = dataclasses.replace(
                 default, reducescatter_form=form,
+                rowgather_form=ROWGATHER_FORMS[REDUCESCATTER_FORMS.index(form)],
                 max_ctas={"reducescatter": max_ctas} if max_ctas else {})
             a, b = distnorm.shard_rows(M, ws)
             _poison_free_memory()

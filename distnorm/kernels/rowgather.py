@@ -130,6 +130,17 @@ class PeerRowGather:
                 for _ in range(self.batch)]
 
     @cute.jit
+    def _load_batch(self, frags: list, src: Int64, units: Int32, c0: Int32, nblk: Int32,
+                    tidx: Int32, unit: cutlass.Constexpr):
+        """frags[j] <- this thread's unit of THREADS-unit chunk c0 + j * nblk of src; a unit at or
+        past `units` loads unit 0 instead (in bounds; the caller skips its store)."""
+        for j in cutlass.range_constexpr(self.batch):
+            u = (c0 + Int32(j) * nblk) * Int32(THREADS) + tidx
+            if u >= units:
+                u = Int32(0)
+            frags[j].store(self._load_unit(src + Int64(u) * Int64(unit), unit))
+
+    @cute.jit
     def _push_batched(self, mBuf, rank: Int32, my_src: Int64, my_dst: Int64, area: Int64,
                       units_mine: Int32, chunks: Int32, bidx: Int32, nblk: Int32, tidx: Int32,
                       unit: cutlass.Constexpr):
@@ -139,11 +150,7 @@ class PeerRowGather:
         if units_mine == Int32(0):
             end = Int32(0)  # no row of mine in this chunk: nothing to load, not even unit 0
         for c0 in range(bidx, end, nblk * Int32(self.batch)):
-            for j in cutlass.range_constexpr(self.batch):
-                u = (c0 + Int32(j) * nblk) * Int32(THREADS) + tidx
-                if u >= units_mine:
-                    u = Int32(0)
-                frags[j].store(self._load_unit(my_src + Int64(u) * Int64(unit), unit))
+            self._load_batch(frags, my_src, units_mine, c0, nblk, tidx, unit)
             for j in cutlass.range_constexpr(self.batch):
                 u = (c0 + Int32(j) * nblk) * Int32(THREADS) + tidx
                 if u < units_mine:
@@ -167,11 +174,7 @@ class PeerRowGather:
                     units_s = Int32(Int64(self._chunk_rows(m, shard, row0, crows, Int32(s))) * rb64
                                     // Int64(unit))
                     src = own + base + Int64(s) * Int64(crows) * rb64
-                    for j in cutlass.range_constexpr(self.batch):
-                        u = (c0 + Int32(j) * nblk) * Int32(THREADS) + tidx
-                        if u >= units_s:
-                            u = Int32(0)
-                        frags[j].store(self._load_unit(src + Int64(u) * Int64(unit), unit))
+                    self._load_batch(frags, src, units_s, c0, nblk, tidx, unit)
                     for j in cutlass.range_constexpr(self.batch):
                         u = (c0 + Int32(j) * nblk) * Int32(THREADS) + tidx
                         if u < units_s:

@@ -21,8 +21,9 @@
 #   seqpar          bench_seqpar.py: reduce-scatter + norm + quant + gather vs all-reduce and the chain
 #   fallback        bench_fallback.py --buffer-mib 256: the path without peer memory vs NCCL + fused op
 #   tp-layer        bench_tp_layer.py, bf16 and --fp8: the TP decoder layer in its five forms
-#   rs-forms        the reduce-scatter's "pipelined" form (NOTE [reduce-scatter rounds]): its GPU test,
-#                   then bench_seqpar at 2048-16384 rows (the _pipe columns against the serial ones)
+#   rs-forms        the reduce-scatter's "pipelined" form and the row gather's "batched" one (NOTE
+#                   [reduce-scatter rounds], NOTE [row gather batches]): their GPU test, then
+#                   bench_seqpar at 2048-16384 rows (the _pipe / _batched / _both columns)
 #   faults-ab       fault handling's cost: bench_allreduce_fusion's distnorm cases from 06bbda4 (which
 #                   brought it), its parent and this tree, alternated (benchmarks/ab_trees.py)
 set -uo pipefail

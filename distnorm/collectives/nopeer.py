@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from distnorm.collectives.plan import NOPEER_FORMS
 from distnorm.collectives.rowsplit import (exchange_slices, fold_slices, linear_spec,
                                            scales_to_layout, slice_bounds)
 from distnorm.formats import QuantSpec, q_shape, scales_geometry
@@ -57,8 +58,8 @@ def out_row_bytes(spec: Optional[QuantSpec], H: int, dtype: torch.dtype, has_res
 def form_for(M: int, H: int, world: int, esize: int, out_bytes: int) -> str:
     """NOTE [no-peer forms]: "gather" or "split" for a call of M rows (DISTNORM_NOPEER_FORM
     overrides)."""
-    forced = os.environ.get("DISTNORM_NOPEER_FORM", "auto")
-    if forced in ("gather", "split"):
+    forced = os.environ.get("DISTNORM_NOPEER_FORM", NOPEER_FORMS[0])
+    if forced in NOPEER_FORMS[1:]:
         return forced
     gather = (world - 1) * M * H * esize
     split = (world - 1) * M * (H * esize + out_bytes) // world + COLLECTIVE_BYTES

@@ -16,7 +16,8 @@ from distnorm.collectives.layout import (LAMPORT_AREAS, REGION_LAMPORT, REGION_O
                                          lamport_split)
 
 __all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "ALGORITHM_FORMS", "GATHER_BY", "LAMPORT_FORMS",
-           "REDUCESCATTER_FORMS", "ROWGATHER_FORMS", "TWOSHOT_FORMS", "settings_ranks_share", "check_shared_settings",
+           "NOPEER_FORMS", "REDUCESCATTER_FORMS", "ROWGATHER_FORMS", "TWOSHOT_FORMS",
+           "settings_ranks_share", "check_shared_settings",
            "Tuning", "choose_algo", "lamport_capacity",
            "max_chunk_rows", "plan_launch", "LAMPORT_CROSSOVER_BYTES", "LAMPORT_CROSSOVER_BYTES_PLAIN",
            "ONESHOT_CROSSOVER_BYTES"]
@@ -129,6 +130,9 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
 # the default first: the peers beat NCCL's all_gather at every size measured on 2 x H200 (FP8 at
 # 512 x 8192 35.4 vs 46.5 us, 16384 x 8192 796 vs 806: benchmarks/results/seqpar_h200_x2.md)
 GATHER_BY = ("peers", "nccl")
+# DISTNORM_NOPEER_FORM (collectives/nopeer.py, NOTE [no-peer forms]): "auto" (by byte count, the
+# default) or a forced form
+NOPEER_FORMS = ("auto", "gather", "split")
 
 
 @dataclass(frozen=True)
@@ -210,7 +214,7 @@ def settings_ranks_share() -> dict[str, str]:
     different ones would wait for each other until a timeout (NCCL's can be minutes) or read rows
     never written. comm.Workspace compares them across the group when it is built."""
     return {"DISTNORM_GATHER_BY": os.environ.get("DISTNORM_GATHER_BY", GATHER_BY[0]),
-            "DISTNORM_NOPEER_FORM": os.environ.get("DISTNORM_NOPEER_FORM", "auto"),
+            "DISTNORM_NOPEER_FORM": os.environ.get("DISTNORM_NOPEER_FORM", NOPEER_FORMS[0]),
             **{f"DISTNORM_{algo.upper()}_FORM": os.environ.get(f"DISTNORM_{algo.upper()}_FORM",
                                                                forms[0])
                for algo, forms in ALGORITHM_FORMS.items()}}

@@ -4,8 +4,8 @@ lets kernels differ only in the float32 reduction order of the mean square and t
 - residual: bitwise equal (the same single rounding of the same float32 sum);
 - y = T(y): within 1 ulp of T;
 - quantized codes: >= 99.9% equal;
-- scales: float32 per-token / per-group within FLOAT_SCALE_ULPS (8) ulps; otherwise >= 99.9% equal and the rest one
-  step apart (e4m3 / UE8M0 code +-1, or a factor 2 for UE8M0-rounded float32 scales).
+- scales: float32 per-token / per-group within FLOAT_SCALE_ULPS (8) ulps; otherwise >= 99.9% equal
+  and the rest one step apart (e4m3 / UE8M0 code +-1, or a factor 2 for UE8M0-rounded float32 scales).
 """
 from __future__ import annotations
 

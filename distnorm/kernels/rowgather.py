@@ -21,8 +21,8 @@ copied, never interpreted: the gathered rows are bitwise the shards'.
 NOTE [row gather batches]: in the "unit" form (the default) a thread loads one unit, stores it,
 then loads the next, so one unit per thread is in flight: about 0.5 MB over an H200's SMs, at
 the edge of what the NVLink latency needs (the gather moved 252 GB/s at 16384 x 8192 FP8 on 2 x
-H200, benchmarks/results/seqpar_h200_x2.md, where two-shot's pushes reach ~390 GB/s by its time's byte count: an estimate). The "batched" form (plan.ROWGATHER_FORMS, a Tuning
-knob) loads BATCH units of a thread's next BATCH THREADS-unit chunks first (their CTAs are the
+H200, benchmarks/results/seqpar_h200_x2.md; two-shot's pushes reach ~390 GB/s, estimated from
+its time there). The "batched" form (plan.ROWGATHER_FORMS, a Tuning knob) loads BATCH units of a thread's next BATCH THREADS-unit chunks first (their CTAs are the
 same: c, c + grid, ... are all this CTA's), then stores them: BATCH units in flight. A load past
 the rows reads unit 0 of the same rows instead (always in bounds) and its stores are skipped.
 Same bytes to the same places.

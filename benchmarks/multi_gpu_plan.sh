@@ -72,9 +72,12 @@ case $STEP in
       tests/multigpu/test_forms_gpu.py -k reducescatter -q -rfs -p no:cacheprovider &&
             run seqpar_pipe torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_seqpar.py \
       --no-compile --tokens 2048 8192 16384 --hidden 8192 4096 --out "$OUT/seqpar_pipe_$tag" ;;
-  faults-ab) wt=$(mktemp -d)
-      git worktree add -f --detach "$wt/before" 06bbda4^ >/dev/null 2>&1 &&
-      git worktree add -f --detach "$wt/after" 06bbda4 >/dev/null 2>&1 || { echo "faults-ab: no git history here" >&2; exit 2; }
+  faults-ab) wt=${AB_TREES:-}   # AB_TREES=DIR: DIR/before and DIR/after made beforehand (the device copy has no .git):
+      # mkdir -p DIR/before DIR/after && git archive 06bbda4^ | tar -x -C DIR/before && git archive 06bbda4 | tar -x -C DIR/after
+      if [ -z "$wt" ]; then wt=$(mktemp -d)
+        git worktree add -f --detach "$wt/before" 06bbda4^ >/dev/null 2>&1 &&
+        git worktree add -f --detach "$wt/after" 06bbda4 >/dev/null 2>&1 || { echo "faults-ab: no git history here (set AB_TREES)" >&2; exit 2; }
+      fi
       PET_MASTER_PORT=$PORT run faults_ab python benchmarks/ab_trees.py --bench allreduce_fusion --nproc "$N" \
       --tree "before=$wt/before" --tree "after=$wt/after" --tree "main=." --rounds 2 \
       --out "$OUT/faults_ab_$tag" -- --no-compile --tokens 1 128 2048 8192 --hidden 4096 --cases '^dn_' ;;

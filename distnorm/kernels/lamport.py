@@ -55,18 +55,18 @@ def sanitize_word(w):
 class LamportOneShot:
     """The lamport algorithm of AllReduceAddRMSNormQuant (which provides self.t, self.core,
     self.world, self.desc, _indices, _fragments, _row_addr, _finish_row, _describe_launch,
-    _push_groups)."""
+    _may_push)."""
 
     @cute.jit
-    def _headers_pending(self, mSig, rank: Int32, m: Int32, hdr_area: Int64, err_addr: Int64,
-                         dev_err_addr: Int64) -> Int32:
+    def _headers_pending(self, own_pad: Int64, rank: Int32, m: Int32, hdr_area: Int64,
+                         err_addr: Int64, dev_err_addr: Int64) -> Int32:
         """One poll of the peers' descriptors in my header area: 1 while one has not arrived; a
         descriptor that differs from mine records a mismatch (naming its first differing word) and
         counts as arrived, so the caller stops waiting (the device error word stops the rest)."""
         pending = Int32(0)
         for s in cutlass.range_constexpr(self.world):
             if Int32(s) != rank:
-                w = ld_volatile_sys_v4_u32(mSig[rank] + hdr_area + Int64(s * 16))
+                w = ld_volatile_sys_v4_u32(own_pad + hdr_area + Int64(s * 16))
                 sent = Int32(LAMPORT_SENTINEL_I32)
                 if (w[0] == sent) | (w[1] == sent) | (w[2] == sent) | (w[3] == sent):
                     pending = Int32(1)
@@ -150,7 +150,8 @@ class LamportOneShot:
 
     @cute.jit
     def _lamport(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
-                 rank: Int32, eps: Float32, timeout: Int64, rows: Int32, groups: Int32):
+                 rank: Int32, eps: Float32, timeout: Int64, rows: Int32, groups: Int32,
+                 own_pad: Int64):
         t = self.t
         world = self.world
         dtype = mX.element_type
@@ -178,7 +179,7 @@ class LamportOneShot:
             self.core.load_row16(rTw, mX[row0, None], lane)
 
         # call state (NOTE [lamport call state])
-        state = mSig[rank] + Int64(region_word(REGION_LAMPORT) * 4)
+        state = own_pad + Int64(region_word(REGION_LAMPORT) * 4)
         area_addr = state + Int64(LAMPORT_W_AREA * 4)
         arrive_addr = state + Int64(LAMPORT_W_ARRIVE * 4)
         rows_addr = state + Int64(LAMPORT_W_VECS * 4)
@@ -187,12 +188,12 @@ class LamportOneShot:
 
         # NOTE [call descriptor]: thread 0 of CTA 0 pushes this launch's descriptor into header k
         # of every other rank (the readers' CTA 0 compares it with its own)
-        self._describe_launch(mSig, rank, m)
+        self._describe_launch(own_pad, m)
         # NOTE [a failed rank arrives nowhere]: a launch that finds the device error word set
         # pushes neither its descriptor nor its rows, so the peers time out instead of summing
-        push_groups = self._push_groups(mSig, rank, groups)
+        may_push = self._may_push(own_pad)
         hdr_area = Int64(CALL_W_LAMPORT_HDR * 4) + Int64(k) * Int64(MAX_WORLD * DESCRIPTOR_WORDS * 4)
-        if (tidx == 0) & (bidx == 0) & (push_groups == groups):
+        if (tidx == 0) & (bidx == 0) & (may_push != Int32(0)):
             for s in cutlass.range_constexpr(world):
                 if Int32(s) != rank:
                     st_volatile_sys_v4_u32(mSig[s] + hdr_area + Int64(rank) * Int64(16), m,
@@ -202,9 +203,9 @@ class LamportOneShot:
         # phase 1: push my rows (sanitized, NOTE [lamport sentinel]) into area k, slot `rank`, of
         # every other rank with 128-bit volatile stores. My own slot is never written (it stays
         # sentinel): phase 2 takes my rows from x.
-        for g in range(bidx, push_groups, nblk):
+        for g in range(bidx, groups, nblk):
             row = g * t.rows_per_cta + row_in_cta
-            if row < m:
+            if (row < m) & (may_push != Int32(0)):  # NOTE [push guard]
                 if g != bidx:  # the first row is already loaded
                     self.core.load_row16(rTw, mX[row, None], lane)
                 for i in cutlass.range_constexpr(nv * 4):
@@ -251,7 +252,7 @@ class LamportOneShot:
         # float32 sum (my slot read from x), residual add, epilogue
         base = mBuf[kw + rank]
         err_addr = mErr.iterator.toint()
-        dev_err_addr = mSig[rank] + Int64(DEVICE_ERROR_WORD * 4)
+        dev_err_addr = own_pad + Int64(DEVICE_ERROR_WORD * 4)
         for g in range(bidx, groups, nblk):
             row = g * t.rows_per_cta + row_in_cta
             row_valid = row < m
@@ -279,11 +280,6 @@ class LamportOneShot:
                 t0 = globaltimer_ns()
                 while pending != Int32(0):
                     pending = Int32(0)
-                    if check_hdr != Int32(0):
-                        if self._headers_pending(mSig, rank, m, hdr_area, err_addr,
-                                                 dev_err_addr) != Int32(0):
-                            pending = Int32(1)
-                            missing = Int32(-1)
                     for s in cutlass.range_constexpr(world):
                         src = row_off + slot_bytes * Int64(s)
                         if const_expr(self.poll_unseen):
@@ -307,6 +303,15 @@ class LamportOneShot:
                             if pend_s != Int32(0):
                                 missing = Int32(s)
                             pending = pending | pend_s
+                    # the headers after the rows: their loads issue behind the rows' instead of
+                    # ahead of them (a compare and branch apart), one load latency per pass
+                    # (NOTE [push guard]); a missing header is named only when no row is missing
+                    if check_hdr != Int32(0):
+                        if self._headers_pending(own_pad, rank, m, hdr_area, err_addr,
+                                                 dev_err_addr) != Int32(0):
+                            if pending == Int32(0):
+                                missing = Int32(-1)
+                            pending = Int32(1)
                     if pending != Int32(0):
                         spins = spins + Int32(1)
                         if (spins & Int32(SPIN_CHECK_MASK)) == Int32(0):
@@ -321,7 +326,7 @@ class LamportOneShot:
                     sent = Int32(LAMPORT_SENTINEL_I32)
                     for s in cutlass.range_constexpr(world):
                         if Int32(s) != rank:
-                            st_volatile_sys_v4_u32(mSig[rank] + hdr_area + Int64(s * 16), sent,
+                            st_volatile_sys_v4_u32(own_pad + hdr_area + Int64(s * 16), sent,
                                                    sent, sent, sent)
                 # float32 sum over the slots in rank order (the other algorithms' order)
                 for s in cutlass.range_constexpr(world):

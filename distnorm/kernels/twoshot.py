@@ -1,7 +1,7 @@
 """The two-shot all-reduce ("twoshot") and the sequence-parallel reduce-scatter ("reducescatter"):
 their bodies ``TwoShot._twoshot`` and ``TwoShot._reducescatter``, a part of the kernel class
 ``AllReduceAddRMSNormQuant`` (kernels/allreduce.py, whose helpers they use: _sum_slots,
-_fragments, _barrier, _row_view, _push_groups, ...; NOTE [programmatic dependent launch] and the
+_fragments, _barrier, _row_view, _may_push, ...; NOTE [programmatic dependent launch] and the
 barrier coverage argument are there).
 
 - "twoshot" (bandwidth): rows are cut into N contiguous slices of S = ceil(rows / N) rows; slice s
@@ -111,9 +111,10 @@ class TwoShot:
     @cute.jit
     def _push_slices(self, mX, mBuf, rank: Int32, slice_rows: Int32, push_groups: Int32,
                      bidx: Int32, nblk: Int32, row_in_cta: Int32, lane: Int32, rT,
-                     dtype: cutlass.Constexpr):
+                     dtype: cutlass.Constexpr, may_push: Int32):
         """Reduce-scatter push: row i of slice s -> rank s, slot `rank`, row i (S = slice_rows
         rows per slot, push_groups >= ceil(S / rows_per_cta) row groups); my own slice stays in x.
+        Rows are loaded in any case, stored only when may_push != 0 (NOTE [push guard]).
         The "pull" two-shot (NOTE [two-shot forms]) copies row s*S+i to row s*S+i of my own buffer
         instead, for its owner to load."""
         t = self.t
@@ -134,7 +135,7 @@ class TwoShot:
                                            lane)
                 for s in cutlass.range_constexpr(b0, min(self.world, b0 + self.slice_batch)):
                     row, moved = self._other_row(s, i, slice_rows, m, rank)
-                    if moved:
+                    if moved & (may_push != Int32(0)):
                         if const_expr(self.pull_scatter):
                             self.core.store_row(frags[s - b0], self._row_view(
                                 mine, Int64(row) * hidden, dtype), lane, dtype)
@@ -146,7 +147,7 @@ class TwoShot:
     @cute.jit
     def _reducescatter(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
                        rank: Int32, eps: Float32, timeout: Int64, rows: Int32, slice_rows: Int32,
-                       groups: Int32):
+                       groups: Int32, own_pad: Int64):
         """Sequence-parallel form: two-shot's reduce-scatter, then the epilogue of my shard only,
         into shard-local outputs (residual, y, q, scales have the shard's rows; `rows`: the shard's
         rows of the scale layout). No gather: collectives/seqpar.py gathers q and scales."""
@@ -161,12 +162,12 @@ class TwoShot:
             local = slice_rows
         bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
                                                                          lane)
-        sig = self._describe_launch(mSig, rank, m)
+        may_push = self._may_push(own_pad)
+        sig = self._describe_launch(own_pad, m)
         push_groups = (slice_rows + t.rows_per_cta - 1) // t.rows_per_cta
         if const_expr(self.rs_rounds == 1):
-            self._push_slices(mX, mBuf, rank, slice_rows,
-                              self._push_groups(mSig, rank, push_groups), bidx, nblk, row_in_cta,
-                              lane, rT, dtype)
+            self._push_slices(mX, mBuf, rank, slice_rows, push_groups, bidx, nblk, row_in_cta,
+                              lane, rT, dtype, may_push)
             failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
 
             base = mBuf[rank]
@@ -185,22 +186,21 @@ class TwoShot:
             if rounds < Int32(1):
                 rounds = Int32(1)
             step = (mine + rounds - 1) // rounds * nblk  # one round's span of g
-            pushable = self._push_groups(mSig, rank, push_groups)
             end = bidx + step
-            if end > pushable:
-                end = pushable
+            if end > push_groups:
+                end = push_groups
             self._push_slices(mX, mBuf, rank, slice_rows, end, bidx, nblk, row_in_cta, lane, rT,
-                              dtype)
+                              dtype, may_push)
             failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
             base = mBuf[rank]
             for r in range(rounds):
                 g0 = bidx + r * step
                 if r + 1 < rounds:  # the next round's rows leave while this round's are finished
                     end = g0 + 2 * step
-                    if end > pushable:
-                        end = pushable
+                    if end > push_groups:
+                        end = push_groups
                     self._push_slices(mX, mBuf, rank, slice_rows, self._unless_failed(failed, end),
-                                      g0 + step, nblk, row_in_cta, lane, rT, dtype)
+                                      g0 + step, nblk, row_in_cta, lane, rT, dtype, may_push)
                 end = g0 + step
                 if end > push_groups:
                     end = push_groups
@@ -245,7 +245,7 @@ class TwoShot:
     @cute.jit
     def _twoshot(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
                  rank: Int32, eps: Float32, timeout: Int64, rows: Int32, slice_rows: Int32,
-                 groups: Int32):
+                 groups: Int32, own_pad: Int64):
         t = self.t
         dtype = mX.element_type
         _, bidx, nblk, row_in_cta, lane = self._indices()
@@ -259,11 +259,12 @@ class TwoShot:
         bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
                                                                          lane)
         rA = self.core.zeros(Float32)
-        sig = self._describe_launch(mSig, rank, m)
+        may_push = self._may_push(own_pad)
+        sig = self._describe_launch(own_pad, m)
 
         # phase 1 (reduce-scatter push); my own slice stays in x (phase 2 reads it there)
-        self._push_slices(mX, mBuf, rank, slice_rows, self._push_groups(mSig, rank, groups), bidx,
-                          nblk, row_in_cta, lane, rT, dtype)
+        self._push_slices(mX, mBuf, rank, slice_rows, groups, bidx, nblk, row_in_cta, lane, rT,
+                          dtype, may_push)
         failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
 
         # phase 2: reduce my slice, residual add, push T(h) (and T(acc)) to the other ranks' gather

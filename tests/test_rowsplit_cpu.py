@@ -155,34 +155,37 @@ def test_gather_in_place(world):
 
 
 def test_overlapped_chunks_start_the_next_collective_before_the_fold():
-    """NOTE [overlapped chunks]: chunk k + 1's collective is issued before chunk k is finished (and
-    after it without overlap, as in a CUDA-graph capture); every chunk is waited on before its
-    finish, and the chunks cover the rows once."""
+    """NOTE [overlapped chunks]: chunk k + 1's collective is issued (asynchronously) before chunk
+    k is finished, and every asynchronous chunk is waited on before its finish; without overlap
+    (as in a CUDA-graph capture), or with one chunk, every collective is synchronous; the chunks
+    cover the rows once."""
     from distnorm.collectives.nopeer import _overlapped
 
-    for overlap, want in ((True, ["start 0", "start 4", "wait 0", "finish 0", "start 8", "wait 4",
-                                  "finish 4", "wait 8", "finish 8"]),
-                          (False, ["start 0", "wait 0", "finish 0", "start 4", "wait 4", "finish 4",
-                                   "start 8", "wait 8", "finish 8"])):
-        log = []
+    log = []
 
-        class Work:
-            def __init__(self, a):
-                self.a = a
+    class Work:
+        def __init__(self, a):
+            self.a = a
 
-            def wait(self):
-                log.append(f"wait {self.a}")
+        def wait(self):
+            log.append(f"wait {self.a}")
 
-        def start(a, b):
-            log.append(f"start {a}")
-            return (a, b), Work(a)
+    def start(a, b, async_op):
+        log.append(f"start {a} {'async' if async_op else 'sync'}")
+        return (a, b), (Work(a) if async_op else None)
 
-        def finish(a, b, result):
-            assert result == (a, b) and f"wait {a}" in log
-            log.append(f"finish {a}")
+    def finish(a, b, result):
+        assert result == (a, b)
+        assert f"wait {a}" in log or f"start {a} sync" in log
+        log.append(f"finish {a}")
 
-        _overlapped(10, 4, start, finish, overlap)
-        assert log == want, (overlap, log)
-    log.clear()
-    _overlapped(0, 4, start, finish)
-    assert log == []  # no rows: nothing started
+    for M, overlap, want in (
+            (10, True, ["start 0 async", "start 4 async", "wait 0", "finish 0", "start 8 async",
+                        "wait 4", "finish 4", "wait 8", "finish 8"]),
+            (10, False, ["start 0 sync", "finish 0", "start 4 sync", "finish 4", "start 8 sync",
+                         "finish 8"]),
+            (3, True, ["start 0 sync", "finish 0"]),  # one chunk: nothing to overlap with
+            (0, True, [])):  # no rows: nothing started
+        log.clear()
+        _overlapped(M, 4, start, finish, overlap)
+        assert log == want, (M, overlap, log)

@@ -18,9 +18,11 @@ Measured on 2 x H200 (benchmarks/results/fallback_h200_x2.md): see the README.
 Both are chunked so that the receive buffer stays within the workspace's buffer size, and
 NOTE [overlapped chunks]: chunk k + 1's collective (all_gather, or all_to_all) is issued before
 chunk k is folded, so it crosses the network (NCCL's stream) while chunk k's fold runs (the
-compute stream); at most two chunks' receive buffers are alive. The fold is a third to a quarter
-of the gather form's time at 16384 x 8192 on 2 x H200 by byte count; the overlap is not yet
-measured. The allreduce_out output and the plain all-reduce take rowsplit.allreduce_by_slices
+compute stream); at most two chunks' receive buffers are alive. Only calls of two or more chunks
+outside a CUDA-graph capture overlap; every other call runs its collectives synchronously on its own
+stream (an asynchronous one costs two cross-stream events, +3.3 us at M = 1). The fold is a third to
+a quarter of the gather form's time at 16384 x 8192 on 2 x H200 by byte count; the overlap is not
+yet measured (the benchmark times CUDA graphs). The allreduce_out output and the plain all-reduce take rowsplit.allreduce_by_slices
 (the kernel has no T(acc) output).
 """
 from __future__ import annotations
@@ -141,20 +143,24 @@ class PackedRows:
 
 
 def _overlapped(M: int, chunk_rows: int, start, finish, overlap: bool = True) -> None:
-    """NOTE [overlapped chunks]: start(a, b) issues rows [a, b)'s collective asynchronously and
-    returns (its result, its Work); finish(a, b, result) uses the result once the Work is waited
-    on. Chunk k + 1 is started before chunk k is finished (overlap=False: after, as a
-    synchronous collective would be)."""
+    """NOTE [overlapped chunks]: start(a, b, async_op) issues rows [a, b)'s collective and
+    returns (its result, its Work, None when not async_op); finish(a, b, result) uses the result
+    once the Work is waited on. With overlap and more than one chunk, chunk k + 1 is started
+    (asynchronously) before chunk k is finished; otherwise each collective is synchronous, on the
+    caller's stream: an asynchronous one runs on NCCL's stream and costs two cross-stream events
+    (+3.3 us per call at M = 1 on 2 x H200 in a CUDA graph, benchmarks/results/fallback_h200_x2.md)."""
     chunks = [(a, min(M, a + chunk_rows)) for a in range(0, M, chunk_rows)]
-    pending = start(*chunks[0]) if chunks else None
+    use_async = overlap and len(chunks) > 1
+    pending = start(*chunks[0], use_async) if chunks else None
     for k, (a, b) in enumerate(chunks):
         result, work = pending
-        if overlap and k + 1 < len(chunks):
-            pending = start(*chunks[k + 1])
-        work.wait()
+        if use_async and k + 1 < len(chunks):
+            pending = start(*chunks[k + 1], True)
+        if work is not None:
+            work.wait()
         finish(a, b, result)
-        if not overlap and k + 1 < len(chunks):
-            pending = start(*chunks[k + 1])
+        if not use_async and k + 1 < len(chunks):
+            pending = start(*chunks[k + 1], False)
 
 
 def _overlap_ok(x: Tensor) -> bool:
@@ -171,10 +177,10 @@ def _gather_form(x, residual, weight, eps, spec, scale, global_scale, gemma, res
 
     M, H = x.shape
 
-    def start(a, b):
+    def start(a, b, async_op):
         parts = torch.empty(world * (b - a), H, dtype=x.dtype, device=x.device)  # gloo: 2-D
         return parts, dist.all_gather_into_tensor(parts, x[a:b].contiguous(), group=group,
-                                                  async_op=True)
+                                                  async_op=async_op)
 
     def finish(a, b, parts):
         fold_epilogue(parts.view(world, b - a, H), _rows(residual, a, b), weight, eps, spec, scale,
@@ -212,8 +218,11 @@ def _split_form(x, residual, weight, eps, spec, scale, global_scale, gemma, resi
                       mine.get("y"), mine.get("q"), mine.get("scales"))
         packed.gather_into({name: dsts[name][a:b] for name, *_ in fields}, b - a, group)
 
-    _overlapped(M, chunk_rows, lambda a, b: exchange_slices(x[a:b], group, async_op=True), finish,
-                _overlap_ok(x))
+    def start(a, b, async_op):
+        out = exchange_slices(x[a:b], group, async_op=async_op)
+        return out if async_op else (out, None)
+
+    _overlapped(M, chunk_rows, start, finish, _overlap_ok(x))
     if scale_dst is not None and scale_dst is not scales_out:
         scales_to_layout(scale_dst, spec, scales_out)
 

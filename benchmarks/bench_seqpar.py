@@ -3,7 +3,8 @@ gathered for the next GEMM, side by side in one run with the unfused chain and a
 
     dn_rs_<fmt>_gather  distnorm.reduce_scatter_add_rmsnorm(..., gather=True): q / scales of all M
                         rows on every rank, the residual shard updated (gathered through the peers:
-                        kernels/rowgather.py)
+                        kernels/rowgather.py), in the forms the defaults pick by size (NOTE
+                        [sized forms] in collectives/plan.py); _serial: the first forms forced
     dn_rs_<fmt>_gather_nccl  the same, gathered by NCCL all_gather (Tuning.gather_by = "nccl")
     dn_rs_<fmt>_gather_pipe  the same, the reduce-scatter in its "pipelined" form
                         (Tuning.reducescatter_form; NOTE [reduce-scatter rounds]); _batched: the
@@ -120,8 +121,9 @@ def cases(x, res, w, ws, nccl: bool, symm, compiled_tail) -> dict:
         c[f"dn_rs_{fmt}_gather_nccl"] = lambda kw=kw: tuned(ws, lambda: (
             distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws, gather=True,
                                                 **kw)), gather_by="nccl")
-        for tag, forms in (("pipe", {"reducescatter_form": "pipelined"}),
-                           ("batched", {"rowgather_form": "batched"}),
+        for tag, forms in (("serial", {"reducescatter_form": "serial", "rowgather_form": "unit"}),
+                           ("pipe", {"reducescatter_form": "pipelined", "rowgather_form": "unit"}),
+                           ("batched", {"reducescatter_form": "serial", "rowgather_form": "batched"}),
                            ("both", {"reducescatter_form": "pipelined", "rowgather_form": "batched"})):
             c[f"dn_rs_{fmt}_gather_{tag}"] = lambda kw=kw, forms=forms: tuned(ws, lambda: (
                 distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws,

@@ -21,7 +21,7 @@ def _seqpar_smoke() -> None:
     for r in rows:
         assert r["outputs_match"], r
         cases = [k for k in r if k.startswith("dn_")]
-        assert len(cases) == 16 and all(r[k] == 0.0 for k in cases), r
+        assert len(cases) == 18 and all(r[k] == 0.0 for k in cases), r
 
 
 def test_seqpar_benchmark_cases_run():

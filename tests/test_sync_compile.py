@@ -63,7 +63,8 @@ def test_algorithm_form_tuning(monkeypatch):
     import torch
 
     from distnorm.collectives.dispatch import allreduce_kernel_key
-    from distnorm.collectives.plan import LAMPORT_FORMS, REDUCESCATTER_FORMS, TWOSHOT_FORMS, Tuning
+    from distnorm.collectives.plan import (LAMPORT_FORMS, REDUCESCATTER_FORMS, ROWGATHER_FORMS,
+                                           SIZED_FORMS, TWOSHOT_FORMS, Tuning)
     from distnorm.collectives.state import AllReduceState
 
     monkeypatch.delenv("DISTNORM_TWOSHOT_FORM", raising=False)
@@ -83,9 +84,23 @@ def test_algorithm_form_tuning(monkeypatch):
     with pytest.raises(ValueError, match="twoshot_form must be one of"):
         Tuning(twoshot_form="sideways")
     monkeypatch.delenv("DISTNORM_REDUCESCATTER_FORM", raising=False)
-    assert Tuning.from_env().reducescatter_form == "serial" == REDUCESCATTER_FORMS[0]
+    monkeypatch.delenv("DISTNORM_ROWGATHER_FORM", raising=False)
+    auto = Tuning.from_env()
+    assert auto.reducescatter_form == auto.rowgather_form == "auto"
+    # NOTE [sized forms]: the second kernel form from the threshold's bytes on, the first below
+    for algo, forms in (("reducescatter", REDUCESCATTER_FORMS), ("rowgather", ROWGATHER_FORMS)):
+        threshold = SIZED_FORMS[algo][0]
+        assert auto.form(algo, threshold - 1) == forms[0] and auto.form(algo) == forms[0]
+        assert auto.form(algo, threshold) == forms[1] == auto.form(algo, 1 << 40)
+    assert SIZED_FORMS["reducescatter"][0] == 32 << 20 and SIZED_FORMS["rowgather"][0] == 8 << 20
+    assert allreduce_kernel_key("reducescatter", 2, torch.bfloat16, 4096, None, True, False, True,
+                                False, auto, 4099 * 4096 * 2)[-1] == "pipelined"
+    monkeypatch.setenv("DISTNORM_REDUCESCATTER_FORM", "serial")
+    assert Tuning.from_env().form("reducescatter", 1 << 40) == "serial"  # forced: every size
     monkeypatch.setenv("DISTNORM_REDUCESCATTER_FORM", "pipelined")
     assert Tuning.from_env().form("reducescatter") == "pipelined"
+    with pytest.raises(ValueError, match="twoshot_form must be one of"):
+        Tuning(twoshot_form="auto")  # sized forms only where they were measured
     with pytest.raises(ValueError, match="reducescatter_form must be one of"):
         Tuning(reducescatter_form="push")
     pull = Tuning(twoshot_form="pull-gather", lamport_form="poll-unseen",

@@ -45,12 +45,15 @@ ROWS_PER_CTA_ARG = 10  # where allreduce_kernel_key puts rows_per_cta
 
 def allreduce_kernel_key(algo: str, world: int, dtype: torch.dtype, H: int,
                          spec: Optional[QuantSpec], has_residual: bool, gemma: bool, write_y: bool,
-                         write_allreduce: bool, tuning: Optional[Tuning] = None) -> tuple:
+                         write_allreduce: bool, tuning: Optional[Tuning] = None,
+                         nbytes: int = 0) -> tuple:
     """compiled_allreduce's arguments (the compile-time key) for a launch of `algo` (a concrete
-    algorithm, after plan_launch): what distnorm.kernels.precompile compiles ahead of the calls."""
+    algorithm, after plan_launch) on `nbytes` of x (what a sized form goes by, plan's NOTE [sized
+    forms]): what distnorm.kernels.precompile compiles ahead of the calls."""
     tuning = Tuning.from_env() if tuning is None else tuning
     return (algo, world, DTYPE_NAMES[dtype], H, kernel_spec(spec), has_residual, gemma, write_y,
-            write_allreduce, tuning.pdl, tuning.rows_per_cta.get(algo, 0), tuning.form(algo))
+            write_allreduce, tuning.pdl, tuning.rows_per_cta.get(algo, 0),
+            tuning.form(algo, nbytes))
 
 
 class PlannedCall:

@@ -15,7 +15,8 @@ from distnorm.collectives.layout import (LAMPORT_AREAS, REGION_LAMPORT, REGION_O
                                          REGION_REDUCESCATTER, REGION_ROWGATHER, REGION_TWOSHOT,
                                          lamport_split)
 
-__all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "ALGORITHM_FORMS", "GATHER_BY", "LAMPORT_FORMS",
+__all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "ALGORITHM_FORMS", "AUTO_FORM", "GATHER_BY",
+           "LAMPORT_FORMS", "SIZED_FORMS", "TUNING_FORMS",
            "NOPEER_FORMS", "REDUCESCATTER_FORMS", "ROWGATHER_FORMS", "TWOSHOT_FORMS",
            "settings_ranks_share", "check_shared_settings",
            "Tuning", "choose_algo", "lamport_capacity",
@@ -114,18 +115,33 @@ TWOSHOT_FORMS = ("push", "pull-gather", "pull")
 # above measured; "poll-unseen" is to be measured.
 LAMPORT_FORMS = ("poll-all", "poll-unseen")
 # How the sequence-parallel reduce-scatter overlaps its epilogue with its pushes (NOTE [reduce-scatter
-# rounds] in kernels/twoshot.py): "serial" (push everything, one barrier, then the epilogue: what
-# benchmarks/results/seqpar_h200_x2.md measured) or "pipelined" (rounds of pushes and barriers, the
-# epilogue of one round while the next crosses the link). "pipelined" is to be measured.
+# rounds] in kernels/twoshot.py): "serial" (push everything, one barrier, then the epilogue) or
+# "pipelined" (rounds of pushes and barriers, the epilogue of one round while the next crosses the
+# link). Tuning's default "auto" picks by size (SIZED_FORMS).
 REDUCESCATTER_FORMS = ("serial", "pipelined")
 # How the row gather (kernels/rowgather.py) keeps bytes in flight (NOTE [row gather batches]):
-# "unit" (one 16-byte unit per thread at a time: what seqpar_h200_x2.md measured) or "batched"
-# (several loads first, then their stores). "batched" is to be measured.
+# "unit" (one 16-byte unit per thread at a time) or "batched" (several loads first, then their
+# stores). Tuning's default "auto" picks by size (SIZED_FORMS).
 ROWGATHER_FORMS = ("unit", "batched")
-# Each algorithm's forms (a compile-time choice that keeps the bits), the default first; Tuning
-# holds algorithm A's as the field `A_form`, read from DISTNORM_<A>_FORM.
+# Each algorithm's kernel forms (a compile-time choice that keeps the bits), the call descriptor's
+# form 0 first; Tuning holds algorithm A's as the field `A_form`, read from DISTNORM_<A>_FORM.
 ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
                    "reducescatter": REDUCESCATTER_FORMS, "rowgather": ROWGATHER_FORMS}
+# NOTE [sized forms]: Tuning's "auto" (the default) for these algorithms takes the second form
+# from this many bytes per call on (reduce-scatter: M x H x element size of x; row gather: the bytes
+# gathered, every rank's rows of every tensor), the first below it. Measured on 2 and 4 H200s
+# (benchmarks/results/seqpar_forms_h200_x2.md, seqpar_h200_x4.md): the pipelined reduce-scatter
+# wins from 2048 x 8192 bf16 (32 MiB: 73.0 -> 69.7 us at 2 ranks) to 16384 x 8192 (521 -> 483;
+# 4 ranks 696 -> 635) and loses at 2048 x 4096 (16 MiB: 38.0 -> 42.1 at 2 ranks, 58.8 -> 64.4 at
+# 4); the batched gather wins from 8 MiB gathered (2048 x 4096 FP8: 61.1 -> 60.4 us with the
+# serial reduce-scatter at 2 ranks; 16384 x 8192 784 -> 746) and loses 1.7% at 2 MiB (512 x 4096
+# FP8, 4 ranks). Every rank computes the same form from the same call, so they agree.
+SIZED_FORMS = {"reducescatter": (32 << 20, "serial", "pipelined"),
+               "rowgather": (8 << 20, "unit", "batched")}
+AUTO_FORM = "auto"
+# What Tuning's `A_form` accepts, its default first
+TUNING_FORMS = {algo: ((AUTO_FORM,) + forms if algo in SIZED_FORMS else forms)
+                for algo, forms in ALGORITHM_FORMS.items()}
 # Who gathers the sequence-parallel ops' rows when the workspace has peer mappings (Tuning.gather_by),
 # the default first: the peers beat NCCL's all_gather at every size measured on 2 x H200 (FP8 at
 # 512 x 8192 35.4 vs 46.5 us, 16384 x 8192 796 vs 806: benchmarks/results/seqpar_h200_x2.md)
@@ -148,9 +164,9 @@ class Tuning:
       barrier kernels' limit, always kept); a run-time argument, so no recompile.
     twoshot_form: one of TWOSHOT_FORMS (the two-shot kernel's traffic; same bits).
     lamport_form: one of LAMPORT_FORMS (how a lamport reader polls; same bits).
-    reducescatter_form: one of REDUCESCATTER_FORMS (the sequence-parallel reduce-scatter's
-      overlap of epilogue and pushes; same bits).
-    rowgather_form: one of ROWGATHER_FORMS (the row gather's bytes in flight; same bytes).
+    reducescatter_form: "auto" (NOTE [sized forms]) or one of REDUCESCATTER_FORMS (the
+      sequence-parallel reduce-scatter's overlap of epilogue and pushes; same bits).
+    rowgather_form: "auto" or one of ROWGATHER_FORMS (the row gather's bytes in flight; same bytes).
     timeout_s: how long a CTA waits for a peer before it records a timeout and gives up.
     host_timeout_s: how long a host-side wait for the group (the first lamport call's preparation,
       reset) lasts before it raises: long, because ranks reach their first call at different times
@@ -165,15 +181,15 @@ class Tuning:
     host_timeout_s: float = 120.0
     twoshot_form: str = TWOSHOT_FORMS[0]
     lamport_form: str = LAMPORT_FORMS[0]
-    reducescatter_form: str = REDUCESCATTER_FORMS[0]
-    rowgather_form: str = ROWGATHER_FORMS[0]
+    reducescatter_form: str = TUNING_FORMS["reducescatter"][0]
+    rowgather_form: str = TUNING_FORMS["rowgather"][0]
     max_ctas: Mapping[str, int] = field(default_factory=dict)
     gather_by: str = GATHER_BY[0]
 
     def __post_init__(self) -> None:
         if self.gather_by not in GATHER_BY:
             raise ValueError(f"gather_by must be one of {GATHER_BY}, got {self.gather_by!r}")
-        for algo, forms in ALGORITHM_FORMS.items():
+        for algo, forms in TUNING_FORMS.items():
             name = f"{algo}_form"
             if getattr(self, name) not in forms:
                 raise ValueError(f"{name} must be one of {forms}, got {getattr(self, name)!r}")
@@ -186,9 +202,16 @@ class Tuning:
         cap = self.max_ctas.get(algo, 0)
         return min(cap, co_resident) if cap > 0 else co_resident
 
-    def form(self, algo: str) -> str:
-        """The form of `algo`'s kernel (ALGORITHM_FORMS); "" for an algorithm with one form."""
-        return getattr(self, f"{algo}_form") if algo in ALGORITHM_FORMS else ""
+    def form(self, algo: str, nbytes: int = 0) -> str:
+        """The form of `algo`'s kernel (ALGORITHM_FORMS) for a call of `nbytes` (NOTE [sized
+        forms]: what "auto" goes by); "" for an algorithm with one form."""
+        if algo not in ALGORITHM_FORMS:
+            return ""
+        form = getattr(self, f"{algo}_form")
+        if form == AUTO_FORM:
+            threshold, small, large = SIZED_FORMS[algo]
+            return large if nbytes >= threshold else small
+        return form
 
     @property
     def timeout_ns(self) -> int:
@@ -199,13 +222,14 @@ class Tuning:
         """The defaults, overridden by DISTNORM_PDL=0 (no programmatic dependent launch),
         DISTNORM_BARRIER_TIMEOUT_S and DISTNORM_HOST_TIMEOUT_S (seconds), DISTNORM_TWOSHOT_FORM
         (one of TWOSHOT_FORMS), DISTNORM_LAMPORT_FORM (one of LAMPORT_FORMS),
-        DISTNORM_REDUCESCATTER_FORM (one of REDUCESCATTER_FORMS), DISTNORM_ROWGATHER_FORM (one of
-        ROWGATHER_FORMS) and DISTNORM_GATHER_BY (one of GATHER_BY)."""
+        DISTNORM_REDUCESCATTER_FORM ("auto" or one of REDUCESCATTER_FORMS),
+        DISTNORM_ROWGATHER_FORM ("auto" or one of ROWGATHER_FORMS) and DISTNORM_GATHER_BY (one of
+        GATHER_BY)."""
         return cls(pdl=pdl_from_env(), gather_by=_form("DISTNORM_GATHER_BY", GATHER_BY),
                    timeout_s=_seconds("DISTNORM_BARRIER_TIMEOUT_S", cls.timeout_s),
                    host_timeout_s=_seconds("DISTNORM_HOST_TIMEOUT_S", cls.host_timeout_s),
                    **{f"{algo}_form": _form(f"DISTNORM_{algo.upper()}_FORM", forms)
-                      for algo, forms in ALGORITHM_FORMS.items()})
+                      for algo, forms in TUNING_FORMS.items()})
 
 
 def settings_ranks_share() -> dict[str, str]:
@@ -217,7 +241,7 @@ def settings_ranks_share() -> dict[str, str]:
             "DISTNORM_NOPEER_FORM": os.environ.get("DISTNORM_NOPEER_FORM", NOPEER_FORMS[0]),
             **{f"DISTNORM_{algo.upper()}_FORM": os.environ.get(f"DISTNORM_{algo.upper()}_FORM",
                                                                forms[0])
-               for algo, forms in ALGORITHM_FORMS.items()}}
+               for algo, forms in TUNING_FORMS.items()}}
 
 
 def check_shared_settings(boot) -> None:

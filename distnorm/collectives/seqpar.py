@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from distnorm.args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows,
+from distnorm.args import (allocate_outputs, check_op_inputs, check_rows,
                            check_rows_aligned, format_scalar, kernel_scalars, returned_scales)
 from distnorm.collectives.ops import _handle, _workspace
 from distnorm.collectives.faults import after_launch, raise_if_failed
@@ -231,6 +231,7 @@ def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scal
     """The reduce-scatter kernel: shard outputs, scales in spec's layout for the shard's rows;
     given: "y" / "q" outputs to write (the shard's rows of the gathered tensors)."""
     from distnorm.collectives.state import state_of
+    from distnorm.collectives.dispatch import allreduce_kernel_key
     from distnorm.kernels.compile_allreduce import compiled_allreduce
 
     state = state_of(ws)
@@ -238,9 +239,9 @@ def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scal
     shard_like = x[:local]
     residual_out, y_out, q_out, scales_out = allocate_outputs(
         shard_like, spec, residual is not None, want_y, None, given.get("y"), given.get("q"), None)
-    kernel = compiled_allreduce("reducescatter", ws.world_size, DTYPE_NAMES[x.dtype], x.shape[1],
-                                kspec, residual is not None, gemma, y_out is not None, False,
-                                state.tuning.pdl, 0, state.tuning.form("reducescatter"))
+    kernel = compiled_allreduce(*allreduce_kernel_key(
+        "reducescatter", ws.world_size, x.dtype, x.shape[1], spec, residual is not None, gemma,
+        y_out is not None, False, state.tuning, x.numel() * x.element_size()))
     state.check_signal_pad(ws)
     raise_if_failed(ws)
     kernel(x, residual, residual_out, weight, y_out, q_out, scales_out,

@@ -226,9 +226,11 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
             keys += [("fused_norm", *fused_kernel_key(bf16, H, linear_spec(spec), False, False,
                                                       write_y or spec is None, rows))
                      for rows in (1, FEW_ROWS, FEW_ROWS + 1)]
-            keys.append(("allreduce", *allreduce_kernel_key("reducescatter", world, bf16, H, spec,
-                                                            True, False, write_y or spec is None,
-                                                            False)))
+            # both sized forms: M = 4099 takes the pipelined one (plan's NOTE [sized forms])
+            keys += [("allreduce", *allreduce_kernel_key("reducescatter", world, bf16, H, spec,
+                                                         True, False, write_y or spec is None,
+                                                         False, None, M * H * 2))
+                     for M in (1, max(SEQPAR_ROWS))]
         keys += [("allreduce", *allreduce_kernel_key(algo, world, bf16, H, spec, True, False, True,
                                                      True))
                  for algo in (ALGOS if FULL else (ALGOS[k % len(ALGOS)],))]

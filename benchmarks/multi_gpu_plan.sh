@@ -26,6 +26,10 @@
 #                   bench_seqpar at 2048-16384 rows (the _pipe / _batched / _both columns)
 #   faults-ab       fault handling's cost: bench_allreduce_fusion's distnorm cases from 06bbda4 (which
 #                   brought it), its parent and this tree, alternated (benchmarks/ab_trees.py)
+#   ab              AB_TREES=DIR: bench_allreduce_fusion from every tree DIR/* (made beforehand, e.g.
+#                   git archive BRANCH | tar -x -C DIR/NAME: the device copy has no .git) and this
+#                   one ("here"), alternated; AB_ARGS: the benchmark's arguments (default: the
+#                   distnorm cases at 1..2048 rows, H 4096 and 8192)
 set -uo pipefail
 N=${N:-2}
 OUT=${OUT:-multi_gpu_out}
@@ -81,6 +85,12 @@ case $STEP in
       PET_MASTER_PORT=$PORT run faults_ab python benchmarks/ab_trees.py --bench allreduce_fusion --nproc "$N" \
       --tree "before=$wt/before" --tree "after=$wt/after" --tree "main=." --rounds 2 \
       --out "$OUT/faults_ab_$tag" -- --no-compile --tokens 1 128 2048 8192 --hidden 4096 --cases '^dn_' ;;
+  ab) [ -d "${AB_TREES:-}" ] || { echo "STEP=ab needs AB_TREES=DIR with one tree per subfolder" >&2; exit 2; }
+      trees=(); for d in "$AB_TREES"/*/; do d=${d%/}; trees+=(--tree "$(basename "$d")=$d"); done
+      # shellcheck disable=SC2086
+      PET_MASTER_PORT=$PORT run ab python benchmarks/ab_trees.py --bench allreduce_fusion --nproc "$N" \
+      "${trees[@]}" --tree here=. --rounds 2 --out "$OUT/ab_$tag" -- \
+      ${AB_ARGS:---no-compile --tokens 1 8 32 128 512 2048 --hidden 4096 8192 --cases ^dn_} ;;
   *) echo "STEP=$STEP: expected one of list, pairs, tests-torchrun, tests-mpirun, tests-plain," \
-          "faults, allreduce, seqpar, fallback, tp-layer, rs-forms, faults-ab" >&2; exit 2 ;;
+          "faults, allreduce, seqpar, fallback, tp-layer, rs-forms, faults-ab, ab" >&2; exit 2 ;;
 esac

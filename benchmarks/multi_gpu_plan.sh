@@ -26,6 +26,10 @@
 #                   bench_seqpar at 2048-16384 rows (the _pipe / _batched / _both columns)
 #   faults-ab       fault handling's cost: bench_allreduce_fusion's distnorm cases from 06bbda4 (which
 #                   brought it), its parent and this tree, alternated (benchmarks/ab_trees.py)
+#   tuning          bench_allreduce_fusion's fused FP8 and plain cases with the two-shot forms
+#                   (pull-gather, pull), lamport's poll-unseen and CTA caps 16 / 32 / 64 beside the
+#                   defaults (issue 14: what the forms and grid per world size should be; none of
+#                   them measured at world 4 or 8 yet)
 #   ab              AB_TREES=DIR: bench_allreduce_fusion from every tree DIR/* (made beforehand, e.g.
 #                   git archive BRANCH | tar -x -C DIR/NAME: the device copy has no .git) and this
 #                   one ("here"), alternated; AB_ARGS: the benchmark's arguments (default: the
@@ -85,6 +89,10 @@ case $STEP in
       PET_MASTER_PORT=$PORT run faults_ab python benchmarks/ab_trees.py --bench allreduce_fusion --nproc "$N" \
       --tree "before=$wt/before" --tree "after=$wt/after" --tree "main=." --rounds 2 \
       --out "$OUT/faults_ab_$tag" -- --no-compile --tokens 1 128 2048 8192 --hidden 4096 --cases '^dn_' ;;
+  tuning) run tuning torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_allreduce_fusion.py \
+      --no-compile --tokens 1 8 32 128 512 2048 8192 --hidden 4096 8192 --cases '^dn_(fp8|ar)_' \
+      --tuning pg:form=pull-gather pl:form=pull pu:lform=poll-unseen c16:ctas=16 c32:ctas=32 c64:ctas=64 \
+      --out "$OUT/tuning_forms_$tag" ;;
   ab) [ -d "${AB_TREES:-}" ] || { echo "STEP=ab needs AB_TREES=DIR with one tree per subfolder" >&2; exit 2; }
       trees=(); for d in "$AB_TREES"/*/; do d=${d%/}; trees+=(--tree "$(basename "$d")=$d"); done
       # shellcheck disable=SC2086
@@ -92,5 +100,5 @@ case $STEP in
       "${trees[@]}" --tree here=. --rounds 2 --out "$OUT/ab_$tag" -- \
       ${AB_ARGS:---no-compile --tokens 1 8 32 128 512 2048 --hidden 4096 8192 --cases ^dn_} ;;
   *) echo "STEP=$STEP: expected one of list, pairs, tests-torchrun, tests-mpirun, tests-plain," \
-          "faults, allreduce, seqpar, fallback, tp-layer, rs-forms, faults-ab, ab" >&2; exit 2 ;;
+          "faults, allreduce, seqpar, fallback, tp-layer, rs-forms, faults-ab, tuning, ab" >&2; exit 2 ;;
 esac

@@ -121,10 +121,11 @@ def cases(x, res, w, ws, nccl: bool, symm, compiled_tail) -> dict:
         c[f"dn_rs_{fmt}_gather_nccl"] = lambda kw=kw: tuned(ws, lambda: (
             distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws, gather=True,
                                                 **kw)), gather_by="nccl")
-        for tag, forms in (("serial", {"reducescatter_form": "serial", "rowgather_form": "unit"}),
-                           ("pipe", {"reducescatter_form": "pipelined", "rowgather_form": "unit"}),
-                           ("batched", {"reducescatter_form": "serial", "rowgather_form": "batched"}),
-                           ("both", {"reducescatter_form": "pipelined", "rowgather_form": "batched"})):
+        for tag, (rs_form, rg_form) in (("serial", ("serial", "unit")),
+                                        ("pipe", ("pipelined", "unit")),
+                                        ("batched", ("serial", "batched")),
+                                        ("both", ("pipelined", "batched"))):
+            forms = {"reducescatter_form": rs_form, "rowgather_form": rg_form}
             c[f"dn_rs_{fmt}_gather_{tag}"] = lambda kw=kw, forms=forms: tuned(ws, lambda: (
                 distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws,
                                                     gather=True, **kw)), **forms)

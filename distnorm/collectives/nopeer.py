@@ -20,10 +20,10 @@ NOTE [overlapped chunks]: chunk k + 1's collective (all_gather, or all_to_all) i
 chunk k is folded, so it crosses the network (NCCL's stream) while chunk k's fold runs (the
 compute stream); at most two chunks' receive buffers are alive. Only calls of two or more chunks
 outside a CUDA-graph capture overlap; every other call runs its collectives synchronously on its own
-stream (an asynchronous one costs two cross-stream events, +3.3 us at M = 1). The fold is a third to
-a quarter of the gather form's time at 16384 x 8192 on 2 x H200 by byte count; the overlap is not
-yet measured (the benchmark times CUDA graphs). The allreduce_out output and the plain all-reduce take rowsplit.allreduce_by_slices
-(the kernel has no T(acc) output).
+stream (an asynchronous one costs two cross-stream events, +3.3 us at M = 1). The fold is a third
+to a quarter of the gather form's time at 16384 x 8192 on 2 x H200 by byte count; the overlap is
+not yet measured (the benchmark times CUDA graphs). The allreduce_out output and the plain
+all-reduce take rowsplit.allreduce_by_slices (the kernel has no T(acc) output).
 """
 from __future__ import annotations
 

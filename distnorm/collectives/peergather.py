@@ -73,7 +73,8 @@ def gather_by_peers(ws, parts: Sequence[tuple[Tensor, Tensor]], M: int) -> bool:
         segs.append((src.data_ptr(), full.data_ptr()))
     from distnorm.kernels.compile_allreduce import compiled_rowgather
 
-    kernel = compiled_rowgather(world, tuple(units), state.tuning.form("rowgather", M * sum(sizes)))
+    form = state.tuning.form("rowgather", M * sum(sizes))  # plan's NOTE [sized forms]
+    kernel = compiled_rowgather(world, tuple(units), form)
     state.check_signal_pad(ws)
     raise_if_failed(ws)
     sms = torch.cuda.get_device_properties(ws.device).multi_processor_count

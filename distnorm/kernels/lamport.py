@@ -303,9 +303,10 @@ class LamportOneShot:
                             if pend_s != Int32(0):
                                 missing = Int32(s)
                             pending = pending | pend_s
-                    # the headers after the rows: their loads issue behind the rows' instead of
-                    # ahead of them (a compare and branch apart), one load latency per pass
-                    # (NOTE [push guard]); a missing header is named only when no row is missing
+                    # the headers after the rows (moved with NOTE [push guard], not measured on
+                    # its own: a header load still waits for the rows' compares, so a pass still
+                    # waits twice; branch wip/lamport-header-loads issues both loads first). A
+                    # missing header is named only when no row is missing
                     if check_hdr != Int32(0):
                         if self._headers_pending(own_pad, rank, m, hdr_area, err_addr,
                                                  dev_err_addr) != Int32(0):

@@ -58,20 +58,31 @@ class LamportOneShot:
     _may_push)."""
 
     @cute.jit
-    def _headers_pending(self, own_pad: Int64, rank: Int32, m: Int32, hdr_area: Int64,
-                         err_addr: Int64, dev_err_addr: Int64) -> Int32:
-        """One poll of the peers' descriptors in my header area: 1 while one has not arrived; a
-        descriptor that differs from mine records a mismatch (naming its first differing word) and
-        counts as arrived, so the caller stops waiting (the device error word stops the rest)."""
-        pending = Int32(0)
+    def _load_headers(self, rHdr, own_pad: Int64, rank: Int32, hdr_area: Int64):
+        """Issue the loads of the peers' descriptors in my header area into rHdr (peer s: words
+        s * DESCRIPTOR_WORDS ...). Issued ahead of a poll pass's row loads and compared after them
+        (_headers_pending), so a pass waits for one load latency, not two (NOTE [push guard])."""
         for s in cutlass.range_constexpr(self.world):
             if Int32(s) != rank:
                 w = ld_volatile_sys_v4_u32(own_pad + hdr_area + Int64(s * 16))
-                sent = Int32(LAMPORT_SENTINEL_I32)
+                for i in cutlass.range_constexpr(DESCRIPTOR_WORDS):
+                    rHdr[s * DESCRIPTOR_WORDS + i] = w[i]
+
+    @cute.jit
+    def _headers_pending(self, rHdr, rank: Int32, m: Int32, err_addr: Int64,
+                         dev_err_addr: Int64) -> Int32:
+        """The peers' descriptors _load_headers read: 1 while one has not arrived; a descriptor
+        that differs from mine records a mismatch (naming its first differing word) and counts as
+        arrived, so the caller stops waiting (the device error word stops the rest)."""
+        pending = Int32(0)
+        sent = Int32(LAMPORT_SENTINEL_I32)
+        mine = (m, Int32(self.desc[1]), Int32(self.desc[2]), Int32(self.desc[3]))
+        for s in cutlass.range_constexpr(self.world):
+            if Int32(s) != rank:
+                w = [rHdr[s * DESCRIPTOR_WORDS + i] for i in range(DESCRIPTOR_WORDS)]
                 if (w[0] == sent) | (w[1] == sent) | (w[2] == sent) | (w[3] == sent):
                     pending = Int32(1)
                 else:
-                    mine = (m, Int32(self.desc[1]), Int32(self.desc[2]), Int32(self.desc[3]))
                     bad = Int32(-1)
                     for j in cutlass.range_constexpr(DESCRIPTOR_WORDS):
                         i = DESCRIPTOR_WORDS - 1 - j  # last to first: `bad` ends at the first
@@ -169,6 +180,7 @@ class LamportOneShot:
         rAll = cute.make_rmem_tensor(cute.make_layout(world * nv * 4), Int32)
         rAll.fill(0)
         rWait = cute.make_rmem_tensor(cute.make_layout(world), Int32)  # NOTE [lamport polls]
+        rHdr = cute.make_rmem_tensor(cute.make_layout(world * DESCRIPTOR_WORDS), Int32)
         rTw = self.core.zero_words()
         half = half_name(dtype)
 
@@ -280,6 +292,8 @@ class LamportOneShot:
                 t0 = globaltimer_ns()
                 while pending != Int32(0):
                     pending = Int32(0)
+                    if check_hdr != Int32(0):
+                        self._load_headers(rHdr, own_pad, rank, hdr_area)
                     for s in cutlass.range_constexpr(world):
                         src = row_off + slot_bytes * Int64(s)
                         if const_expr(self.poll_unseen):
@@ -303,12 +317,11 @@ class LamportOneShot:
                             if pend_s != Int32(0):
                                 missing = Int32(s)
                             pending = pending | pend_s
-                    # the headers after the rows (moved with NOTE [push guard], not measured on
-                    # its own: a header load still waits for the rows' compares, so a pass still
-                    # waits twice; branch wip/lamport-header-loads issues both loads first). A
-                    # missing header is named only when no row is missing
+                    # the headers loaded with the rows, compared after them: one load latency
+                    # per pass (NOTE [push guard]); a missing header is named only when no row is
+                    # missing
                     if check_hdr != Int32(0):
-                        if self._headers_pending(own_pad, rank, m, hdr_area, err_addr,
+                        if self._headers_pending(rHdr, rank, m, err_addr,
                                                  dev_err_addr) != Int32(0):
                             if pending == Int32(0):
                                 missing = Int32(-1)

@@ -96,6 +96,37 @@ class LamportOneShot:
                         record_mismatch(err_addr, dev_err_addr, Int32(s), bad, value)
         return pending
 
+    @cute.jit
+    def _finish_headers(self, hdr_left: Int32, own_pad: Int64, rank: Int32, m: Int32,
+                        hdr_area: Int64, err_addr: Int64, dev_err_addr: Int64, k: Int32,
+                        timeout: Int64):
+        """NOTE [descriptor check], after the outputs: thread 0 of CTA 0 waits for descriptors it
+        did not see while polling rows (a timeout names peer -1), then refills its header area
+        with the sentinel (area k's headers are next written in call c + 3, after this kernel)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        if (tidx == 0) & (bidx == 0):
+            rHdr = cute.make_rmem_tensor(cute.make_layout(self.world * DESCRIPTOR_WORDS), Int32)
+            spins = Int32(0)
+            t0 = globaltimer_ns()
+            while hdr_left != Int32(0):
+                self._load_headers(rHdr, own_pad, rank, hdr_area)
+                hdr_left = self._headers_pending(rHdr, rank, m, err_addr, dev_err_addr)
+                if hdr_left != Int32(0):
+                    spins = spins + Int32(1)
+                    if (spins & Int32(SPIN_CHECK_MASK)) == Int32(0):
+                        if ld_volatile_sys_u32(dev_err_addr) != Int32(0):
+                            hdr_left = Int32(0)
+                        else:
+                            if globaltimer_ns() - t0 > timeout:
+                                record_timeout(err_addr, dev_err_addr, Int32(-1), k)
+                                hdr_left = Int32(0)
+            sent = Int32(LAMPORT_SENTINEL_I32)
+            for s in cutlass.range_constexpr(self.world):
+                if Int32(s) != rank:
+                    st_volatile_sys_v4_u32(own_pad + hdr_area + Int64(s * 16), sent, sent, sent,
+                                           sent)
+
     # NOTE [lamport call state]
     # Area index k (0, 1, 2) of a call, the rows each area last held, and an arrival counter live in
     # this rank's signal pad (layout.REGION_LAMPORT), never in kernel arguments, so CUDA-graph replays and
@@ -265,6 +296,9 @@ class LamportOneShot:
         base = mBuf[kw + rank]
         err_addr = mErr.iterator.toint()
         dev_err_addr = own_pad + Int64(DEVICE_ERROR_WORD * 4)
+        # NOTE [descriptor check]: thread 0 of CTA 0 looks at the peers' descriptors while it
+        # polls its first row, without waiting for them there; 1 while one is unseen
+        hdr_left = Int32((tidx == 0) & (bidx == 0))
         for g in range(bidx, groups, nblk):
             row = g * t.rows_per_cta + row_in_cta
             row_valid = row < m
@@ -274,8 +308,6 @@ class LamportOneShot:
                     self.core.load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
                 row_off = base + Int64(row) * hidden * elem_bytes
                 own = self._row_addr(mX, row)
-                # the first row of CTA 0: thread 0 also waits for the peers' descriptors
-                check_hdr = Int32((tidx == 0) & (g == 0))
                 if const_expr(self.poll_unseen):
                     # bit j of rWait[s]: vector j of slot s not read complete yet
                     for s in cutlass.range_constexpr(world):
@@ -292,7 +324,7 @@ class LamportOneShot:
                 t0 = globaltimer_ns()
                 while pending != Int32(0):
                     pending = Int32(0)
-                    if check_hdr != Int32(0):
+                    if hdr_left != Int32(0):
                         self._load_headers(rHdr, own_pad, rank, hdr_area)
                     for s in cutlass.range_constexpr(world):
                         src = row_off + slot_bytes * Int64(s)
@@ -317,15 +349,8 @@ class LamportOneShot:
                             if pend_s != Int32(0):
                                 missing = Int32(s)
                             pending = pending | pend_s
-                    # the headers loaded with the rows, compared after them: one load latency
-                    # per pass (NOTE [push guard]); a missing header is named only when no row is
-                    # missing
-                    if check_hdr != Int32(0):
-                        if self._headers_pending(rHdr, rank, m, err_addr,
-                                                 dev_err_addr) != Int32(0):
-                            if pending == Int32(0):
-                                missing = Int32(-1)
-                            pending = Int32(1)
+                    if hdr_left != Int32(0):
+                        hdr_left = self._headers_pending(rHdr, rank, m, err_addr, dev_err_addr)
                     if pending != Int32(0):
                         spins = spins + Int32(1)
                         if (spins & Int32(SPIN_CHECK_MASK)) == Int32(0):
@@ -335,13 +360,6 @@ class LamportOneShot:
                                 if globaltimer_ns() - t0 > timeout:
                                     record_timeout(err_addr, dev_err_addr, missing, k)
                                     pending = Int32(0)
-                if check_hdr != Int32(0):
-                    # area k's headers are next written in call c + 3, after this kernel ended
-                    sent = Int32(LAMPORT_SENTINEL_I32)
-                    for s in cutlass.range_constexpr(world):
-                        if Int32(s) != rank:
-                            st_volatile_sys_v4_u32(own_pad + hdr_area + Int64(s * 16), sent,
-                                                   sent, sent, sent)
                 # float32 sum over the slots in rank order (the other algorithms' order)
                 for s in cutlass.range_constexpr(world):
                     for i in cutlass.range_constexpr(nv * 4):
@@ -353,4 +371,6 @@ class LamportOneShot:
             self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW,
                                mY, mQ, mS, static_inv, global_scale, bufs, rW)
             cute.arch.barrier()  # the next group's reductions reuse the shared-memory partials
+        self._finish_headers(hdr_left, own_pad, rank, m, hdr_area, err_addr, dev_err_addr, k,
+                             timeout)
         # no closing barrier: the three rotating areas make the next call safe (NOTE above)

@@ -97,15 +97,13 @@ class LamportOneShot:
         return pending
 
     @cute.jit
-    def _finish_headers(self, hdr_left: Int32, own_pad: Int64, rank: Int32, m: Int32,
+    def _finish_headers(self, checker, hdr_left: Int32, own_pad: Int64, rank: Int32, m: Int32,
                         hdr_area: Int64, err_addr: Int64, dev_err_addr: Int64, k: Int32,
                         timeout: Int64):
-        """NOTE [descriptor check], after the outputs: thread 0 of CTA 0 waits for descriptors it
+        """NOTE [descriptor check], after the outputs: the checker thread waits for descriptors it
         did not see while polling rows (a timeout names peer -1), then refills its header area
         with the sentinel (area k's headers are next written in call c + 3, after this kernel)."""
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        if (tidx == 0) & (bidx == 0):
+        if checker:
             rHdr = cute.make_rmem_tensor(cute.make_layout(self.world * DESCRIPTOR_WORDS), Int32)
             spins = Int32(0)
             t0 = globaltimer_ns()
@@ -296,9 +294,11 @@ class LamportOneShot:
         base = mBuf[kw + rank]
         err_addr = mErr.iterator.toint()
         dev_err_addr = own_pad + Int64(DEVICE_ERROR_WORD * 4)
-        # NOTE [descriptor check]: thread 0 of CTA 0 looks at the peers' descriptors while it
-        # polls its first row, without waiting for them there; 1 while one is unseen
-        hdr_left = Int32((tidx == 0) & (bidx == 0))
+        # NOTE [descriptor check]: the last thread of CTA 0's first row looks at the peers'
+        # descriptors while it polls that row, without waiting for them there (not thread 0, which
+        # also arrives on the call state); 1 while one is unseen
+        checker = (tidx == Int32(t.threads_per_row - 1)) & (bidx == 0)
+        hdr_left = Int32(checker)
         for g in range(bidx, groups, nblk):
             row = g * t.rows_per_cta + row_in_cta
             row_valid = row < m
@@ -371,6 +371,6 @@ class LamportOneShot:
             self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW,
                                mY, mQ, mS, static_inv, global_scale, bufs, rW)
             cute.arch.barrier()  # the next group's reductions reuse the shared-memory partials
-        self._finish_headers(hdr_left, own_pad, rank, m, hdr_area, err_addr, dev_err_addr, k,
+        self._finish_headers(checker, hdr_left, own_pad, rank, m, hdr_area, err_addr, dev_err_addr, k,
                              timeout)
         # no closing barrier: the three rotating areas make the next call safe (NOTE above)

@@ -24,6 +24,18 @@ the arriving peer stores share the memory system with. Form "poll-unseen" keeps,
 of the vectors not yet read complete and each pass reads only those: a vector whose four words all
 arrived in one read is final for this call (the area is refilled only two calls later, NOTE
 [lamport clearing]), and my own slot (x) is read once. The words summed are the same either way.
+
+NOTE [descriptor check]
+Each launch's thread 0 of CTA 0 pushes its call descriptor (NOTE [call descriptor]) into header k
+of every peer before its rows; a reader compares its peers' descriptors with its own and records a
+mismatch in the call that has it. The checker is one thread (the last of CTA 0's first row: thread
+0 also arrives on the call state through an acq_rel atomic). It loads the headers in each pass of
+its row polls but never waits for them there: its row's sum and epilogue go on as soon as the row
+arrived, and any descriptor not seen by then is waited for (with the same timeout, peer -1 in the
+error) after the outputs. Waiting for them inside the poll cost lamport +4.5..+9% at M = 1 on 2 x
+H200, about all of what fault handling added to it; this form is within +0.11 us of the tree
+before fault handling (benchmarks/results/lamport_descriptor_ab_h200_x2.md). A mismatch still
+arrives in the failing call: the checker sees the descriptor in the pass where it lands.
 """
 from __future__ import annotations
 
@@ -60,8 +72,8 @@ class LamportOneShot:
     @cute.jit
     def _load_headers(self, rHdr, own_pad: Int64, rank: Int32, hdr_area: Int64):
         """Issue the loads of the peers' descriptors in my header area into rHdr (peer s: words
-        s * DESCRIPTOR_WORDS ...). Issued ahead of a poll pass's row loads and compared after them
-        (_headers_pending), so a pass waits for one load latency, not two (NOTE [push guard])."""
+        s * DESCRIPTOR_WORDS ...): ahead of a poll pass's row loads, compared after them
+        (_headers_pending), so the pass waits for one load latency (NOTE [descriptor check])."""
         for s in cutlass.range_constexpr(self.world):
             if Int32(s) != rank:
                 w = ld_volatile_sys_v4_u32(own_pad + hdr_area + Int64(s * 16))

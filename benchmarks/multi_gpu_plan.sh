@@ -30,16 +30,20 @@
 #                   (pull-gather, pull), lamport's poll-unseen and CTA caps 16 / 32 / 64 beside the
 #                   defaults (issue 14: what the forms and grid per world size should be; none of
 #                   them measured at world 4 or 8 yet)
-#   ab              AB_TREES=DIR: bench_allreduce_fusion from every tree DIR/* (made beforehand, e.g.
-#                   git archive BRANCH | tar -x -C DIR/NAME: the device copy has no .git) and this
-#                   one ("here"), alternated; AB_ARGS: the benchmark's arguments (default: the
-#                   distnorm cases at 1..2048 rows, H 4096 and 8192)
+#   ab              AB_TREES=DIR: bench_allreduce_fusion from every tree DIR/* (made beforehand by
+#                   benchmarks/make_ab_trees.sh: the device copy has no .git) and this one
+#                   ("here"), alternated; AB_ARGS: the benchmark's arguments (default: the distnorm
+#                   cases at 1..2048 rows, H 4096 and 8192); AB_BENCH: allreduce_fusion (default),
+#                   seqpar or fallback
+#   tree-tests      AB_TREES=DIR: tests/multigpu (torchrun, N ranks) from every tree DIR/* in turn,
+#                   each with its own code and kernel cache (a branch's GPU tests before it lands)
 set -uo pipefail
 N=${N:-2}
 OUT=${OUT:-multi_gpu_out}
 STEP=${STEP:-list}
 PORT=${PORT:-29500}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: tree-tests runs from each tree's folder
 tag="h200_x$N"
 if [ -n "${GPUS:-}" ]; then export CUDA_VISIBLE_DEVICES=$GPUS; fi
 if [ "$STEP" = pairs ]; then
@@ -96,9 +100,17 @@ case $STEP in
   ab) [ -d "${AB_TREES:-}" ] || { echo "STEP=ab needs AB_TREES=DIR with one tree per subfolder" >&2; exit 2; }
       trees=(); for d in "$AB_TREES"/*/; do d=${d%/}; trees+=(--tree "$(basename "$d")=$d"); done
       # shellcheck disable=SC2086
-      PET_MASTER_PORT=$PORT run ab python benchmarks/ab_trees.py --bench allreduce_fusion --nproc "$N" \
+      PET_MASTER_PORT=$PORT run ab python benchmarks/ab_trees.py --bench "${AB_BENCH:-allreduce_fusion}" --nproc "$N" \
       "${trees[@]}" --tree here=. --rounds 2 --out "$OUT/ab_$tag" -- \
       ${AB_ARGS:---no-compile --tokens 1 8 32 128 512 2048 --hidden 4096 8192 --cases ^dn_} ;;
+  tree-tests) [ -d "${AB_TREES:-}" ] || { echo "STEP=tree-tests needs AB_TREES=DIR with one tree per subfolder" >&2; exit 2; }
+      rc=0
+      for d in "$AB_TREES"/*/; do d=${d%/}; name=$(basename "$d")
+        (cd "$d" && PYTHONPATH="$d:${PYTHONPATH:-}" DISTNORM_KERNEL_CACHE="$d/.kernel_cache" \
+         run "tree_tests_$name" torchrun --master-port "$PORT" --nproc-per-node "$N" -m pytest tests/multigpu \
+         -q -rfs -p no:cacheprovider) || rc=1
+      done
+      exit $rc ;;
   *) echo "STEP=$STEP: expected one of list, pairs, tests-torchrun, tests-mpirun, tests-plain," \
-          "faults, allreduce, seqpar, fallback, tp-layer, rs-forms, faults-ab, tuning, ab" >&2; exit 2 ;;
+          "faults, allreduce, seqpar, fallback, tp-layer, rs-forms, faults-ab, tuning, ab, tree-tests" >&2; exit 2 ;;
 esac

@@ -49,9 +49,9 @@ from distnorm.collectives.layout import (CALL_W_LAMPORT_HDR, DESCRIPTOR_WORDS, D
                                          LAMPORT_W_VECS, MAX_WORLD, REGION_LAMPORT, region_word)
 from distnorm.formats import VEC
 from distnorm.kernels.norm_quant import half_name
-from distnorm.kernels.sync import (SPIN_CHECK_MASK, atom_add_acq_rel_gpu_u32, globaltimer_ns,
+from distnorm.kernels.sync import (atom_add_acq_rel_gpu_u32, gave_up, globaltimer_ns,
                                    ld_volatile_sys_u32, ld_volatile_sys_v4_u32, record_mismatch,
-                                   record_timeout, st_volatile_sys_v4_u32, st_volatile_u32)
+                                   st_volatile_sys_v4_u32, st_volatile_u32)
 
 __all__ = ["sanitize_word", "LamportOneShot"]
 
@@ -124,13 +124,8 @@ class LamportOneShot:
                 hdr_left = self._headers_pending(rHdr, rank, m, err_addr, dev_err_addr)
                 if hdr_left != Int32(0):
                     spins = spins + Int32(1)
-                    if (spins & Int32(SPIN_CHECK_MASK)) == Int32(0):
-                        if ld_volatile_sys_u32(dev_err_addr) != Int32(0):
-                            hdr_left = Int32(0)
-                        else:
-                            if globaltimer_ns() - t0 > timeout:
-                                record_timeout(err_addr, dev_err_addr, Int32(-1), k)
-                                hdr_left = Int32(0)
+                    if gave_up(spins, t0, timeout, err_addr, dev_err_addr, Int32(-1), k) != Int32(0):
+                        hdr_left = Int32(0)
             sent = Int32(LAMPORT_SENTINEL_I32)
             for s in cutlass.range_constexpr(self.world):
                 if Int32(s) != rank:
@@ -365,13 +360,9 @@ class LamportOneShot:
                         hdr_left = self._headers_pending(rHdr, rank, m, err_addr, dev_err_addr)
                     if pending != Int32(0):
                         spins = spins + Int32(1)
-                        if (spins & Int32(SPIN_CHECK_MASK)) == Int32(0):
-                            if ld_volatile_sys_u32(dev_err_addr) != Int32(0):
-                                pending = Int32(0)  # someone already timed out: stop too
-                            else:
-                                if globaltimer_ns() - t0 > timeout:
-                                    record_timeout(err_addr, dev_err_addr, missing, k)
-                                    pending = Int32(0)
+                        if gave_up(spins, t0, timeout, err_addr, dev_err_addr, missing, k) \
+                                != Int32(0):
+                            pending = Int32(0)
                 # float32 sum over the slots in rank order (the other algorithms' order)
                 for s in cutlass.range_constexpr(world):
                     for i in cutlass.range_constexpr(nv * 4):

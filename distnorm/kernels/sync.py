@@ -47,7 +47,7 @@ __all__ = [
     "st_relaxed_sys_u32", "st_volatile_u32", "atomic_cas_sys_u32", "atomic_add_gpu_u32",
     "atom_add_acq_rel_gpu_u32", "fence_acq_rel_sys", "globaltimer_ns", "ld_volatile_sys_v4_u32",
     "st_volatile_sys_v4_u32", "ld_acquire_sys_u32x2", "st_release_sys_u32x2", "cta_barrier",
-    "record_timeout", "record_mismatch", "barrier_or", "SPIN_CHECK_MASK",
+    "record_timeout", "record_mismatch", "gave_up", "barrier_or", "SPIN_CHECK_MASK",
 ]
 
 SPIN_CHECK_MASK = 255  # spinning threads look at %globaltimer and the device error word every 256 polls
@@ -181,6 +181,23 @@ def record_mismatch(err_addr: Int64, dev_err_addr: Int64, peer: Int32, word: Int
 
 
 @cute.jit
+def gave_up(spins: Int32, t0: Int64, timeout: Int64, err_addr: Int64, dev_err_addr: Int64,
+            peer: Int32, epoch: Int32) -> Int32:
+    """A spinning wait's check, every SPIN_CHECK_MASK + 1 spins: 1 when it must stop -- another
+    wait already failed (the device error word is set) or this one has waited `timeout` ns since
+    t0 (then recorded as a timeout on `peer`, record_timeout) -- else 0."""
+    stop = Int32(0)
+    if (spins & Int32(SPIN_CHECK_MASK)) == Int32(0):
+        if ld_volatile_sys_u32(dev_err_addr) != Int32(0):
+            stop = Int32(1)  # another thread / CTA already failed: stop too
+        else:
+            if globaltimer_ns() - t0 > timeout:
+                record_timeout(err_addr, dev_err_addr, peer, epoch)
+                stop = Int32(1)
+    return stop
+
+
+@cute.jit
 def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[int],
                 region_word: cutlass.Constexpr[int], block: Int32, timeout: Int64, err: cute.Tensor,
                 signature: Int32 = 0) -> Int32:
@@ -282,6 +299,8 @@ def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[
                 if (v - epoch) >= Int32(0):
                     waiting = Int32(0)
                 spins = spins + Int32(1)
+                # gave_up's test, written out: its call here compiles to other PTX, and this
+                # barrier is what every GPU run so far has measured
                 if (spins & Int32(SPIN_CHECK_MASK)) == Int32(0):
                     if waiting != Int32(0):
                         if ld_volatile_sys_u32(dev_err_addr) != Int32(0):

@@ -28,11 +28,13 @@ arrived in one read is final for this call (the area is refilled only two calls 
 NOTE [descriptor check]
 Each launch's thread 0 of CTA 0 pushes its call descriptor (NOTE [call descriptor]) into header k
 of every peer before its rows; a reader compares its peers' descriptors with its own and records a
-mismatch in the call that has it. The checker is one thread (the last of CTA 0's first row: thread
-0 also arrives on the call state through an acq_rel atomic). It loads the headers in each pass of
-its row polls but never waits for them there: its row's sum and epilogue go on as soon as the row
-arrived, and any descriptor not seen by then is waited for (with the same timeout, peer -1 in the
-error) after the outputs. Waiting for them inside the poll cost lamport +4.5..+9% at M = 1 on 2 x
+mismatch in the call that has it. The checker is one thread. When the row groups leave room under
+the CTA cap, the launch has one spare CTA with no row (grid = groups + 1) whose thread 0 only
+waits for the descriptors (with the same timeout, peer -1 in the error), off every row's path.
+Otherwise it is the last thread of CTA 0's first row (thread 0 also arrives on the call state
+through an acq_rel atomic), which loads the headers in each pass of its row polls but never waits
+for them there: its row's sum and epilogue go on as soon as the row arrived, and any descriptor
+not seen by then is waited for after the outputs. Waiting for them inside the poll cost lamport +4.5..+9% at M = 1 on 2 x
 H200, about all of what fault handling added to it; this form is within +0.11 us of the tree
 before fault handling (benchmarks/results/lamport_descriptor_ab_h200_x2.md). A mismatch still
 arrives in the failing call: the checker sees the descriptor in the pass where it lands.
@@ -301,10 +303,13 @@ class LamportOneShot:
         base = mBuf[kw + rank]
         err_addr = mErr.iterator.toint()
         dev_err_addr = own_pad + Int64(DEVICE_ERROR_WORD * 4)
-        # NOTE [descriptor check]: the last thread of CTA 0's first row looks at the peers'
+        # NOTE [descriptor check]: thread 0 of the spare CTA (the last, with no row) when the
+        # grid has one, else the last thread of CTA 0's first row, which looks at the peers'
         # descriptors while it polls that row, without waiting for them there (not thread 0, which
         # also arrives on the call state); 1 while one is unseen
-        checker = (tidx == Int32(t.threads_per_row - 1)) & (bidx == 0)
+        spare = Int32(nblk > groups)
+        checker = ((spare != 0) & (bidx == nblk - 1) & (tidx == 0)) | (
+            (spare == 0) & (bidx == 0) & (tidx == Int32(t.threads_per_row - 1)))
         hdr_left = Int32(checker)
         for g in range(bidx, groups, nblk):
             row = g * t.rows_per_cta + row_in_cta

@@ -34,10 +34,10 @@ def test_allreduce_kernels_compile(arch):
 def test_row_gather_chunk_fits_exactly(world, row_sizes, buffer_bytes):
     """The row gather's chunk: every segment's [world][rows] area (16-byte aligned, one after the
     other) fits the part of the buffer before the lamport areas, and one more row would not."""
-    from distnorm.collectives.layout import lamport_split
+    from distnorm.collectives.layout import lamport_split, push_half
     from distnorm.collectives.peergather import _chunk_rows, copy_unit
     from distnorm.kernels.rowgather import area_bytes
-    general, _ = lamport_split(buffer_bytes)
+    general = push_half(lamport_split(buffer_bytes)[0])  # its pushes stay in the lower half
     rows = _chunk_rows(world, row_sizes, buffer_bytes)
     assert sum(area_bytes(world, rows, rb) for rb in row_sizes) <= general
     assert sum(area_bytes(world, rows + 1, rb) for rb in row_sizes) > general
@@ -46,14 +46,25 @@ def test_row_gather_chunk_fits_exactly(world, row_sizes, buffer_bytes):
 
 
 # --- buffer split and capacities (host arithmetic, no GPU) -----------------------------------------
-def buffer_elems(algo: str, world: int, m: int, hidden: int, swizzled: bool, gather_acc: bool) -> int:
-    """Elements of T one launch with m rows uses in the data buffer, as kernels/allreduce.py lays it
-    out (an independent model of what plan.max_chunk_rows must respect)."""
+def buffer_elems(algo: str, world: int, m: int, hidden: int, swizzled: bool,
+                 gather_acc: bool) -> tuple[int, int]:
+    """Elements of T one launch with m rows uses in the data buffer as kernels/allreduce.py lays it
+    out, (in the lower half, in the upper half) of the general part (NOTE [push and gather
+    halves]; lamport: (in one of its three areas, 0)): an independent model of what
+    plan.max_chunk_rows must respect."""
     rows = (m + 127) // 128 * 128 if swizzled else m
-    if algo in ("oneshot", "lamport"):  # lamport: in one of its three areas
-        return world * m * hidden
+    if algo in ("oneshot", "lamport"):
+        return world * m * hidden, 0
     s = -(-rows // world)
-    return world * s * hidden * (2 + (1 if gather_acc else 0))
+    return world * s * hidden, world * s * hidden * (1 + (1 if gather_acc else 0))
+
+
+def fits(algo, world, m, hidden, swz, ga, general, es=2) -> bool:
+    """m rows of `algo` fit the general part's halves."""
+    from distnorm.collectives.layout import push_half
+    lower, upper = buffer_elems(algo, world, m, hidden, swz, ga)
+    half = push_half(general)
+    return lower * es <= half and upper * es <= general - half
 
 
 @pytest.mark.parametrize("buffer_bytes", [32 << 20, 64 << 20, (32 << 20) + 12345, 1 << 16])
@@ -77,8 +88,8 @@ def test_max_chunk_rows_exact(world, hidden, buffer_bytes):
     big = 1 << 30
     cap = max_chunk_rows("lamport", world, big, hidden, es, buffer_bytes, False, False)
     assert cap == lamport_capacity(world, hidden, es, buffer_bytes)
-    assert buffer_elems("lamport", world, cap, hidden, False, False) * es <= area
-    assert buffer_elems("lamport", world, cap + 1, hidden, False, False) * es > area
+    assert buffer_elems("lamport", world, cap, hidden, False, False)[0] * es <= area
+    assert buffer_elems("lamport", world, cap + 1, hidden, False, False)[0] * es > area
     for algo in ("oneshot", "twoshot"):
         for ga in (False, True):
             for swz in (False, True):
@@ -88,11 +99,13 @@ def test_max_chunk_rows_exact(world, hidden, buffer_bytes):
                     assert swz and max_chunk_rows(algo, world, big, hidden, es, buffer_bytes,
                                                   False, ga) < 128 + world
                     continue
-                assert buffer_elems(algo, world, c, hidden, swz, ga) * es <= general
+                assert fits(algo, world, c, hidden, swz, ga, general)
                 if swz:
                     assert c % 128 == 0
-                elif algo == "oneshot":
-                    assert buffer_elems(algo, world, c + 1, hidden, False, ga) * es > general
+                else:  # one more row does not fit (two-shot: within the slices' padding)
+                    assert not fits(algo, world, c + world, hidden, False, ga, general)
+                    if algo == "oneshot":
+                        assert not fits(algo, world, c + 1, hidden, False, ga, general)
     # swizzled: chunks are multiples of 128 rows (or the area is too small and it says so)
     try:
         c = max_chunk_rows("lamport", world, big, hidden, es, buffer_bytes, True, False)

@@ -100,7 +100,8 @@ def run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, resid
     kernel, step = call.kernel, call.step
     state.check_signal_pad(ws)
     raise_if_failed(ws)  # pinned words: cheap; a failed workspace launches nothing until reset
-    ptrs = state.lamport_table(ws) if call.algo == "lamport" else ws.buffer_ptrs
+    ptrs = (state.lamport_table(ws) if call.algo == "lamport"
+            else state.buffer_table(ws, call.algo))
     scale, global_scale = kernel_scalars(call.scalar, scale, global_scale)
     tail = _kernel_tail(call, ws, state, ptrs, eps)
     if step >= M:  # one launch: the tensors as given (six row slices cost microseconds of host time)
@@ -139,12 +140,9 @@ def launch_eager(x, residual, weight, eps, spec, scale, global_scale, gemma, res
         scalar = call.scalar
         if call.step < M or scalar and (scale if scalar == "scale" else global_scale) is None:
             return False
-        if call.algo == "lamport":
-            ptrs = state.lamport_ptrs
-            if ptrs is None:  # the first lamport call prepares the areas (collective)
-                return False
-        else:
-            ptrs = ws.buffer_ptrs
+        ptrs = state.buffer_table(ws, call.algo)
+        if ptrs is None:  # the first lamport call prepares the areas (collective)
+            return False
         state.check_signal_pad(ws)
         raise_if_failed(ws)
         scale, global_scale = kernel_scalars(scalar, scale, global_scale)

@@ -38,11 +38,25 @@ collectives/faults.py).
 
 Data buffer (per rank, ``Workspace.buffer_bytes``)::
 
-    [0, general)                  one-shot / two-shot data
+    [0, half)                     pushed before a call's first barrier: one-shot slots, two-shot
+                                  and reduce-scatter scatter slots, the row gather's areas
+    [half, general)               written only after a call's first barrier: two-shot's gathered h
+                                  (and T(acc)); NOTE [push and gather halves]
     [general + k * area, +area)   lamport area k = 0, 1, 2, each [world slots][rows][H] of T
 
 ``lamport_split(buffer_bytes)`` gives (general, area): the lamport areas take about a quarter, every
-boundary 16-byte aligned, fixed per buffer size, so algorithms can be mixed call by call.
+boundary 16-byte aligned, fixed per buffer size, so algorithms can be mixed call by call;
+``push_half(general)`` gives half.
+
+NOTE [push and gather halves]
+A peer that finished a call starts its next one while we may still be in our last phase of the
+same call; its pushes before that next call's first barrier (one-shot, two-shot's push form,
+reduce-scatter, the row gather) may land in our buffer then. Two-shot's last phase reads gathered
+rows (ours, or in the pull forms the owners'), so those rows live where no such push reaches: the
+upper half. Everything written into a buffer after a call's first barrier is safe there (that
+barrier needs our flag, which we write only after our previous kernel ended), so two-shot needs no
+third barrier (NOTE [two-shot final barrier] in kernels/twoshot.py). One-shot and reduce-scatter
+read their pushed slots after their barrier, in the lower half, so they keep their final barrier.
 
 Lamport call state (region 3, this rank's pad only): word LAMPORT_W_AREA = area index of the next
 call, LAMPORT_W_ARRIVE = CTA arrival counter of the running call, LAMPORT_W_VECS + k = 16-byte
@@ -62,7 +76,7 @@ __all__ = [
     "CALL_W_LAST", "CALL_W_LAMPORT_HDR", "CALL_W_HOST_BARRIER", "HOST_BARRIER_FIRST_CALL",
     "HOST_BARRIER_RESET_A", "HOST_BARRIER_RESET_B", "LAMPORT_AREAS", "LAMPORT_SENTINEL", "LAMPORT_SENTINEL_I32",
     "LAMPORT_W_AREA", "LAMPORT_W_ARRIVE", "LAMPORT_W_VECS", "LAMPORT_STATE_WORDS",
-    "lamport_split", "check_signal_pad",
+    "lamport_split", "push_half", "check_signal_pad",
 ]
 
 MAX_CTAS = 1024   # CTA indices a barrier region has epochs and flags for
@@ -116,6 +130,12 @@ def lamport_split(buffer_bytes: int) -> tuple[int, int]:
     area = buffer_bytes // _LAMPORT_FRACTION // LAMPORT_AREAS // 16 * 16
     general = (buffer_bytes - LAMPORT_AREAS * area) // 16 * 16
     return general, area
+
+
+def push_half(general: int) -> int:
+    """Bytes of the general part that pre-barrier pushes may use (NOTE [push and gather halves]):
+    its lower half, 16-byte aligned; two-shot's gather areas take the rest."""
+    return general // 2 // 16 * 16
 
 
 def check_signal_pad(signal_bytes: int, world: int, ctas: int | None = None) -> None:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from distnorm.collectives.faults import after_launch, raise_if_failed
-from distnorm.collectives.layout import lamport_split
+from distnorm.collectives.layout import lamport_split, push_half
 from distnorm.collectives.rowsplit import row_bytes
 from distnorm.kernels.rowgather import MAX_SEGMENTS, THREADS, area_bytes
 
@@ -28,9 +28,9 @@ def copy_unit(bytes_per_row: int) -> Optional[int]:
 
 
 def _chunk_rows(world: int, row_sizes: Sequence[int], buffer_bytes: int) -> int:
-    """Most rows per shard one launch moves: every segment's [world][rows] area in the part of
-    the data buffer before the lamport areas."""
-    general, _ = lamport_split(buffer_bytes)
+    """Most rows per shard one launch moves: every segment's [world][rows] area in the lower half
+    of the part of the data buffer before the lamport areas (NOTE [push and gather halves])."""
+    general = push_half(lamport_split(buffer_bytes)[0])
     rows = general // (world * sum(row_sizes))  # each area takes at least its rows' bytes
     while rows > 0 and sum(area_bytes(world, rows, rb) for rb in row_sizes) > general:
         rows -= 1

@@ -13,7 +13,7 @@ from typing import Callable, Mapping, Optional
 
 from distnorm.collectives.layout import (LAMPORT_AREAS, REGION_LAMPORT, REGION_ONESHOT,
                                          REGION_REDUCESCATTER, REGION_ROWGATHER, REGION_TWOSHOT,
-                                         lamport_split)
+                                         lamport_split, push_half)
 
 __all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "ALGORITHM_FORMS", "AUTO_FORM", "GATHER_BY",
            "LAMPORT_FORMS", "SIZED_FORMS", "TUNING_FORMS",
@@ -27,21 +27,31 @@ SWIZZLE_ROWS = 128  # swizzled scales come in 128-row tiles: chunks after the fi
 
 
 def _slot_rows(world: int, row_bytes: int, part_bytes: int, gather_acc: bool, swizzled: bool) -> int:
-    """one-shot / lamport: world slots of the call's rows."""
+    """lamport: world slots of the call's rows in one area."""
     return part_bytes // (world * row_bytes)
 
 
+def _oneshot_rows(world: int, row_bytes: int, part_bytes: int, gather_acc: bool,
+                  swizzled: bool) -> int:
+    """one-shot: world slots of the call's rows in the lower half (NOTE [push and gather halves])."""
+    return _slot_rows(world, row_bytes, push_half(part_bytes), gather_acc, swizzled)
+
+
 def _twoshot_rows(world: int, row_bytes: int, part_bytes: int, gather_acc: bool, swizzled: bool) -> int:
-    """two-shot: scatter [world][S] + gather h [world * S] (+ gather acc [world * S]) rows, S =
-    ceil(rows / world), rows padded to 128 for swizzled scales (so the cap is a multiple of 128)."""
-    cap = part_bytes // ((2 + int(gather_acc)) * row_bytes) - (world - 1)
+    """two-shot: scatter [world][S] rows in the lower half, gather h [world * S] (+ gather acc
+    [world * S]) rows in the upper (NOTE [push and gather halves]), S = ceil(rows / world), rows
+    padded to 128 for swizzled scales (so the cap is a multiple of 128)."""
+    lower = push_half(part_bytes)
+    cap = min(lower // row_bytes,
+              (part_bytes - lower) // ((1 + int(gather_acc)) * row_bytes)) - (world - 1)
     return cap // SWIZZLE_ROWS * SWIZZLE_ROWS if swizzled else cap
 
 
 def _scatter_rows(world: int, row_bytes: int, part_bytes: int, gather_acc: bool,
                   swizzled: bool) -> int:
-    """reduce-scatter (sequence-parallel): scatter [world][S] rows, S = ceil(M / world)."""
-    return world * (part_bytes // (world * row_bytes))
+    """reduce-scatter (sequence-parallel): scatter [world][S] rows in the lower half, S =
+    ceil(M / world)."""
+    return world * (push_half(part_bytes) // (world * row_bytes))
 
 
 @dataclass(frozen=True)
@@ -52,7 +62,8 @@ class Algorithm:
     lamport_part: True if it uses the three lamport areas of the data buffer (one per call), False if
       the general part before them.
     rows: (world, row_bytes, part_bytes, gather_acc, swizzled) -> most rows one launch may take.
-    ptr_tables: peer-pointer table entries per rank (lamport: one per area).
+    ptr_tables: peer-pointer table entries per rank (lamport: one per area; two-shot: the buffer
+      and its upper half, NOTE [push and gather halves]).
     """
 
     name: str
@@ -64,8 +75,9 @@ class Algorithm:
 
 ALGORITHMS = {
     "lamport": Algorithm("lamport", REGION_LAMPORT, True, _slot_rows, LAMPORT_AREAS),
-    "oneshot": Algorithm("oneshot", REGION_ONESHOT, False, _slot_rows),
-    "twoshot": Algorithm("twoshot", REGION_TWOSHOT, False, _twoshot_rows),
+    "oneshot": Algorithm("oneshot", REGION_ONESHOT, False, _oneshot_rows),
+    # two tables: the buffers' bases, then their upper halves (the gather areas)
+    "twoshot": Algorithm("twoshot", REGION_TWOSHOT, False, _twoshot_rows, 2),
     # the sequence-parallel op's kernel (collectives/seqpar.py), not an all-reduce algorithm
     "reducescatter": Algorithm("reducescatter", REGION_REDUCESCATTER, False, _scatter_rows),
     # the sequence-parallel gathers through the peers (kernels/rowgather.py; row bytes: all its

@@ -15,7 +15,7 @@ from distnorm.collectives.layout import (CALL_W_HOST_BARRIER, CALL_W_LAMPORT_HDR
                                          HOST_BARRIER_RESET_B, LAMPORT_AREAS, LAMPORT_SENTINEL_I32,
                                          LAMPORT_STATE_WORDS, MAX_WORLD, REGION_LAMPORT,
                                          REGION_WORDS, check_signal_pad, lamport_split,
-                                         region_word)
+                                         push_half, region_word)
 from distnorm.collectives.plan import ALGORITHMS, Tuning
 from distnorm.formats import QuantSpec
 
@@ -30,6 +30,8 @@ class AllReduceState:
     tuning: launch settings (plan.Tuning; from the environment unless given).
     lamport_ptrs: int64 [3 * world] device table of every rank's lamport areas (entry k * world + s =
       rank s's area k), built when the areas are first filled with the sentinel.
+    twoshot_ptrs: int64 [2 * world] device table of every rank's buffer, then of its upper half
+      (two-shot's gather areas, NOTE [push and gather halves]), built on the first two-shot call.
     """
 
     def __init__(self, tuning: Optional[Tuning] = None) -> None:
@@ -37,6 +39,7 @@ class AllReduceState:
         self._grid_caps: dict = {}
         self.tuning = Tuning.from_env() if tuning is None else tuning
         self.lamport_ptrs: Optional[Tensor] = None
+        self.twoshot_ptrs: Optional[Tensor] = None
         self.fallback_logged = False
         # passes through the host barriers (faults.host_barrier): the first-call one may be
         # skipped by a rank that failed, so reset() re-zeroes it; reset() counts its own
@@ -83,6 +86,20 @@ class AllReduceState:
         host_barrier(ws, HOST_BARRIER_FIRST_CALL, self.first_call_barriers,
                      self.tuning.host_timeout_s)
         self.lamport_ptrs = self._lamport_table(ws)
+
+    def buffer_table(self, ws, algo: str) -> Optional[Tensor]:
+        """The peer-pointer table a launch of `algo` takes (plan.Algorithm.ptr_tables entries per
+        rank); None for lamport before its areas are prepared (lamport_table prepares them)."""
+        if algo == "lamport":
+            return self.lamport_ptrs
+        if algo == "twoshot":
+            if self.twoshot_ptrs is None:
+                half = push_half(lamport_split(ws.buffer_bytes)[0])
+                host = ws.buffer_ptrs_host
+                self.twoshot_ptrs = torch.tensor(list(host) + [p + half for p in host],
+                                                 dtype=torch.int64, device=ws.device)
+            return self.twoshot_ptrs
+        return ws.buffer_ptrs
 
     def _lamport_table(self, ws) -> Tensor:
         general, area = lamport_split(ws.buffer_bytes)

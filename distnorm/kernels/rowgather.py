@@ -11,7 +11,7 @@ shard (C rows: what fits the data buffer; the host loops over chunks):
   gathered in place); cta_barrier;
 - phase 2: the other shards' chunks, from areas [s] of my own buffer, into their rows of the full
   output; a final cta_barrier (a peer's next launch may push into my areas as soon as it passed the
-  previous barrier: NOTE [two-shot final barrier] in kernels/twoshot.py is the same hazard).
+  previous barrier, as one-shot's and reduce-scatter's final barriers guard against).
 
 Buffer, per segment k (16-byte aligned, one after the other from offset 0): [N][C] rows of its row
 bytes. Unit u of a shard's chunk is moved by CTA (u // THREADS) mod grid on every rank, in both

@@ -14,8 +14,10 @@ barrier coverage argument are there).
   every rank reads the other slices' full rows of gathered h from its local buffer, writes
   residual_out and runs the epilogue. Gathering T(h)
   instead of T(acc) keeps h = T(acc + float(res)) exact (one rounding of the float32 sum) and
-  bitwise identical on all ranks. Final cta_barrier as in one-shot (NOTE [two-shot final barrier]).
-  Buffer: scatter [N][S][H] T, then gather h [N*S][H] T, then (optional) gather acc [N*S][H] T.
+  bitwise identical on all ranks. No third barrier (NOTE [two-shot final barrier]).
+  Buffer: scatter [N][S][H] T in the lower half; gather h [N*S][H] T, then (optional) gather acc
+  [N*S][H] T in the upper half (table entries N + s; NOTE [push and gather halves] in
+  collectives/layout.py).
   NOTE [two-shot forms]: `form` (plan.TWOSHOT_FORMS, a Tuning knob: same bits, other traffic)
   chooses who moves the rows over NVLink. "push" is the above (remote stores in both exchanges).
   "pull-gather": phase 2 writes T(h) (and T(acc)) of my slice into MY gather area only, and phase 3
@@ -24,8 +26,7 @@ barrier coverage argument are there).
   `row` of the scatter area, which has N*S rows: local HBM traffic), and phase 2 loads row
   rank*S+i of every peer's copy (all N-1 remote loads in flight, summed in rank order as before).
   Every dependency stays between same-index CTAs (the copy loop walks the push loop's rows), the
-  barriers stay three (the final one as in NOTE [two-shot final barrier]: a peer may still load my
-  gather area when my next call starts), and the float32 operations are the same, so the bits are.
+  barriers stay two, and the float32 operations are the same, so the bits are.
 
 - "reducescatter" (the sequence-parallel op, collectives/seqpar.py): two-shot's phase 1 over
   slices of S = ceil(M / N) unpadded rows, then phase 2 for my slice only, writing shard-local
@@ -44,20 +45,21 @@ barrier coverage argument are there).
   float32 operations per row, so the same bits as "serial".
 
 NOTE [two-shot final barrier]
-What two-shot's last cta_barrier guards (and what a change that drops it must keep safe): phase 3
-reads this rank's gather area, and the NEXT call's first writes into this rank's buffer come from
-peers before that call's first barrier -- one-shot's and two-shot's row pushes into the slots /
-scatter area at the start of the buffer, reduce-scatter's likewise. A peer starts its next call
-as soon as its own grid finished, which needs only our arrival at barrier 2, not the end of our
-phase 3. When the next call's pushes reach past the start of our gather area (N * S_next > N * S:
-one-shot with M_next > S, two-shot or reduce-scatter with S_next > S) they would land on rows we
-may still be reading. Everything else is already ordered: our phase-2 reads of the scatter area
-end before barrier 2, which every peer's grid passed before its next call started; peers write our
-gather area of the next call only after its barrier 1, which we reach only once this grid ended
-(stream order; NOTE [programmatic dependent launch]). So the barrier could go only with gather
-areas that no pre-barrier push can reach (a gather region above every algorithm's push region,
-capacities shrunk to fit), or with a pull-based first phase that writes only locally before
-barrier 1 -- and one-shot / reduce-scatter then still pushing into the lower region.
+Why two-shot has no third barrier (one-shot and reduce-scatter keep theirs). After barrier 2 a rank
+reads only gathered rows: in its own gather area, or in the pull forms its peers'. What could
+overwrite them before it is done:
+- a peer's next call, which starts once the peer's grid has ended (that needs only our arrival at
+  barrier 2, not the end of our phase 3): before its first barrier it writes our buffer only in
+  the lower half (pushed slots; collectives/layout.py NOTE [push and gather halves]), and the
+  gather areas are in the upper half; after that barrier (which needs our flag, written by our
+  next kernel, after this one ended: stream order, NOTE [programmatic dependent launch]) anything;
+- our own next call: after this kernel ended, by stream order.
+And what phase 2 reads (our scatter area, or in the pull form our peers' copies of x) is read
+before barrier 2, which every peer's grid passed before its next call started; the pull form's
+copy into our own lower half comes from our next kernel, after all of this one's CTAs passed
+barrier 2, i.e. after every peer's same-index CTA had finished its loads. Until 2026-11-27 the
+gather areas sat right after the scatter slots, where a larger next call's pushes reach, and a
+third barrier kept them safe.
 """
 from __future__ import annotations
 
@@ -253,8 +255,10 @@ class TwoShot:
         hidden = Int64(t.hidden)
         sl = Int64(slice_rows)
         slot_elems = sl * hidden                       # one scatter slot: S rows
-        gather_h = slot_elems * self.world             # gather area of h: N*S rows
-        gather_a = gather_h + slot_elems * self.world  # gather area of T(acc) (when asked)
+        # the gather areas, in the upper half (table entries world + s: NOTE [push and gather
+        # halves]): h of N*S rows, then T(acc) (when asked)
+        gather_h = Int64(0)
+        gather_a = slot_elems * self.world
 
         bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
                                                                          lane)
@@ -271,6 +275,7 @@ class TwoShot:
         # areas, then finish my slice's rows here: their epilogue overlaps the NVLink traffic
         # instead of re-reading h in phase 3
         base = mBuf[rank]
+        gbase = mBuf[self.world + rank]
         for g in range(bidx, self._unless_failed(failed, groups), nblk):
             i = g * t.rows_per_cta + row_in_cta
             row = rank * slice_rows + i
@@ -289,11 +294,12 @@ class TwoShot:
                     self.core.load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
                 self.core.round_sum(rH, rR, self.has_residual, dtype)
                 if const_expr(self.pull_gather):  # my gather area, for the peers to load
-                    self._gather_row(rH, rA, base, gather_h, gather_a, row, lane, dtype)
+                    self._gather_row(rH, rA, gbase, gather_h, gather_a, row, lane, dtype)
                 else:
                     for s in cutlass.range_constexpr(self.world):
                         if Int32(s) != rank:
-                            self._gather_row(rH, rA, mBuf[s], gather_h, gather_a, row, lane, dtype)
+                            self._gather_row(rH, rA, mBuf[self.world + s], gather_h, gather_a,
+                                             row, lane, dtype)
                 if const_expr(self.has_residual):
                     self.core.store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype)
                 if const_expr(self.write_allreduce):
@@ -318,27 +324,27 @@ class TwoShot:
                         row, moved = self._other_row(s, i, slice_rows, m, rank)
                         if moved:
                             self.core.load_row(gathered[s - b0], self._row_view(
-                                self._gather_source(base, mBuf, s), gather_h + Int64(row) * hidden,
+                                self._gather_source(gbase, mBuf, s), gather_h + Int64(row) * hidden,
                                 dtype), lane)
                 for s in cutlass.range_constexpr(b0, min(self.world, b0 + self.slice_batch)):
                     self._gathered_row(gathered[s - b0], rT, rH, s, i, rank, slice_rows, m, rows,
-                                       base, gather_h, gather_a, mBuf, mAR, mRout, mW, mY, mQ, mS,
+                                       gbase, gather_h, gather_a, mBuf, mAR, mRout, mW, mY, mQ, mS,
                                        lane, row_in_cta, eps, static_inv, global_scale, bufs, rW,
                                        dtype)
-        self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+        # no third barrier: NOTE [two-shot final barrier]
 
     @cute.jit
-    def _gather_source(self, base: Int64, mBuf, s: cutlass.Constexpr) -> Int64:
-        """Whose buffer holds slice s's gathered rows: mine, or in the pull forms its owner's
-        (NOTE [two-shot forms])."""
-        src = base
+    def _gather_source(self, gbase: Int64, mBuf, s: cutlass.Constexpr) -> Int64:
+        """Whose gather area holds slice s's gathered rows: mine (gbase), or in the pull forms its
+        owner's (NOTE [two-shot forms]; table entry world + s: NOTE [push and gather halves])."""
+        src = gbase
         if const_expr(self.pull_gather):
-            src = mBuf[s]
+            src = mBuf[self.world + s]
         return src
 
     @cute.jit
     def _gathered_row(self, rG, rT, rH, s: cutlass.Constexpr, i: Int32, rank: Int32,
-                      slice_rows: Int32, m: Int32, rows: Int32, base: Int64, gather_h: Int64,
+                      slice_rows: Int32, m: Int32, rows: Int32, gbase: Int64, gather_h: Int64,
                       gather_a: Int64, mBuf, mAR, mRout, mW, mY, mQ, mS, lane: Int32,
                       row_in_cta: Int32, eps: Float32, static_inv, global_scale, bufs, rW,
                       dtype: cutlass.Constexpr):
@@ -351,7 +357,7 @@ class TwoShot:
             row = s * slice_rows + i
             row_valid = (i < slice_rows) & (row < m)
             rH.fill(0.0)
-            src = self._gather_source(base, mBuf, s)
+            src = self._gather_source(gbase, mBuf, s)
             if row_valid:
                 if const_expr(self.slice_batch > 1):
                     rT.store(rG.load())

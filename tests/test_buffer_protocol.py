@@ -1,0 +1,183 @@
+"""The data buffer's reuse across consecutive calls (NOTE [push and gather halves] in
+collectives/layout.py, NOTE [two-shot final barrier] in kernels/twoshot.py), model-checked on the
+CPU: every interleaving of 2 ranks of 2 CTAs each, and of 3 ranks of one CTA, through a few calls
+of one-shot and two-shot (push and pull forms) of different sizes.
+
+Each CTA runs its call's steps in order; a step writes or reads whole rows of the buffers (its
+own rows: row i belongs to CTA i % ctas); a barrier step lets CTA b pass once CTA b of every rank
+has reached it (cta_barrier pairs same-index CTAs; its flag protocol is checked in
+test_barrier_protocol.py); a rank's next call starts once all its CTAs finished the last one
+(stream order). Every written row carries its call's index, and a read must find the index of
+its own call. With the halves and two barriers the model finds no bad read; with the layout
+before them (gather rows right after the scatter slots) it finds one unless two-shot keeps its
+third barrier -- which is why that barrier existed.
+"""
+from __future__ import annotations
+
+import pytest
+
+# (ranks, CTAs per rank) of the models
+SHAPES = [(2, 2), (3, 1)]
+
+
+def _twoshot_steps(world: int, rank: int, S: int, form: str, halves: bool,
+                   final_barrier: bool) -> list:
+    """Two-shot's steps for `rank`: (kind, buffer owner or None for every peer, cells) with cells
+    (region, index, row) of the rows moved; the gather rows in the upper half ("U") or right after
+    the scatter slots ("G", the old layout)."""
+    peers = [t for t in range(world) if t != rank]
+    gather = (lambda k: ("U", k)) if halves else (lambda k: ("L", world * S + k))
+    steps = []
+    if form == "push":  # my rows of slice t -> slot `rank` of rank t
+        for t in peers:
+            steps.append(("write", t, [("L", rank * S + i, i) for i in range(S)]))
+    else:  # a copy of the other slices' rows in my own lower half, for their owners to load
+        steps.append(("write", rank, [("L", s * S + i, i) for s in peers for i in range(S)]))
+    steps.append(("barrier",))
+    if form == "push":  # my slice's slots
+        steps.append(("read", rank, [("L", s * S + i, i) for s in peers for i in range(S)]))
+    else:  # my slice's rows in every peer's copy
+        for t in peers:
+            steps.append(("read", t, [("L", rank * S + i, i) for i in range(S)]))
+    if form == "push":  # T(h) of my slice into every peer's gather rows
+        for t in peers:
+            steps.append(("write", t, [(*gather(rank * S + i), i) for i in range(S)]))
+    else:
+        steps.append(("write", rank, [(*gather(rank * S + i), i) for i in range(S)]))
+    steps.append(("barrier",))
+    if form == "push":  # the other slices' gathered rows
+        steps.append(("read", rank, [(*gather(s * S + i), i) for s in peers for i in range(S)]))
+    else:
+        for s in peers:
+            steps.append(("read", s, [(*gather(s * S + i), i) for i in range(S)]))
+    if final_barrier:
+        steps.append(("barrier",))
+    return steps
+
+
+def _oneshot_steps(world: int, rank: int, m: int) -> list:
+    """One-shot: my rows into slot `rank` of every peer, barrier, my slots read, final barrier."""
+    peers = [t for t in range(world) if t != rank]
+    steps = [("write", t, [("L", rank * m + i, i) for i in range(m)]) for t in peers]
+    steps.append(("barrier",))
+    steps.append(("read", rank, [("L", s * m + i, i) for s in peers for i in range(m)]))
+    steps.append(("barrier",))
+    return steps
+
+
+def _program(world: int, ctas: int, calls: list, rank: int, halves: bool,
+             final_barrier: bool) -> list:
+    """Per call, per CTA: its steps (a row's cells go to CTA row % ctas; barriers to every CTA)."""
+    prog = []
+    for algo, size, form in calls:
+        steps = (_oneshot_steps(world, rank, size) if algo == "oneshot"
+                 else _twoshot_steps(world, rank, size, form, halves, final_barrier))
+        per_cta = []
+        for b in range(ctas):
+            mine = []
+            for kind, *rest in steps:
+                if kind == "barrier":
+                    mine.append(("barrier",))
+                else:
+                    owner, cells = rest
+                    mine.append((kind, owner, tuple((reg, k) for reg, k, row in cells
+                                                    if row % ctas == b)))
+            per_cta.append(tuple(mine))
+        prog.append(tuple(per_cta))
+    return prog
+
+
+def _bad_reads(shape: tuple, calls: list, halves: bool, final_barrier: bool) -> set:
+    """Every (call, rank, cell) read with another call's index in it, over all interleavings of
+    `shape` = (ranks, CTAs per rank)."""
+    world, ctas = shape
+    progs = [_program(world, ctas, calls, r, halves, final_barrier) for r in range(world)]
+    # state: per rank, per CTA: (call, step); buffers: per rank, sorted (cell, call) pairs
+    start = (tuple(tuple((0, 0) for _ in range(ctas)) for _ in range(world)),
+             tuple(() for _ in range(world)))
+    bad: set = set()
+    seen = {start}
+    stack = [start]
+    while stack:
+        pos, bufs = stack.pop()
+        for r in range(world):
+            for b in range(ctas):
+                nxt = _step(progs, pos, bufs, r, b, bad)
+                if nxt is not None and nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+    return bad
+
+
+def _barrier_index(steps, j: int) -> int:
+    return sum(1 for s in steps[:j] if s[0] == "barrier")
+
+
+def _step(progs, pos, bufs, r: int, b: int, bad: set):
+    """The state after CTA b of rank r takes its next step, or None when it cannot."""
+    world, ctas = len(pos), len(pos[0])
+    c, j = pos[r][b]
+    if c == len(progs[r]):
+        return None
+    if j == 0 and any(pos[r][o][0] < c for o in range(ctas)):
+        return None  # stream order: the rank's previous kernel has a CTA still running
+    steps = progs[r][c][b]
+    if j == len(steps):  # this CTA is done with call c
+        return _moved(pos, r, b, (c + 1, 0)), bufs
+    kind, *rest = steps[j]
+    if kind == "barrier":
+        k = _barrier_index(steps, j)
+        for t in range(world):  # CTA b of every rank arrived at barrier k of call c
+            tc, tj = pos[t][b]
+            if tc < c or (tc == c and _barrier_index(progs[t][c][b], tj) < k):
+                return None
+            if tc == c and tj < len(progs[t][c][b]) and _barrier_index(progs[t][c][b], tj) == k \
+                    and progs[t][c][b][tj][0] != "barrier":
+                return None
+        return _moved(pos, r, b, (c, j + 1)), bufs
+    owner, cells = rest
+    buf = dict(bufs[owner])
+    if kind == "write":
+        for cell in cells:
+            buf[cell] = c
+        new_bufs = tuple(tuple(sorted(buf.items())) if t == owner else bufs[t]
+                         for t in range(world))
+        return _moved(pos, r, b, (c, j + 1)), new_bufs
+    for cell in cells:
+        if buf.get(cell) != c:
+            bad.add((c, r, owner, cell, buf.get(cell)))
+    return _moved(pos, r, b, (c, j + 1)), bufs
+
+
+def _moved(pos, r: int, b: int, to) -> tuple:
+    return tuple(tuple(to if (t, o) == (r, b) else cta for o, cta in enumerate(ctas))
+                 for t, ctas in enumerate(pos))
+
+
+# a two-shot call, then calls that push more rows than its scatter slots held
+SEQUENCES = {
+    "push-oneshot": [("twoshot", 1, "push"), ("oneshot", 2, None)],
+    "push-push": [("twoshot", 1, "push"), ("twoshot", 2, "push")],
+    "pull-oneshot": [("twoshot", 1, "pull"), ("oneshot", 2, None)],
+    "pull-pull": [("twoshot", 1, "pull"), ("twoshot", 2, "pull")],
+    "oneshot-push-oneshot": [("oneshot", 1, None), ("twoshot", 1, "push"), ("oneshot", 2, None)],
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}ranks{s[1]}ctas")
+@pytest.mark.parametrize("name", SEQUENCES)
+def test_halves_need_no_third_barrier(name, shape):
+    """The layout of NOTE [push and gather halves]: no bad read with two barriers per two-shot."""
+    assert _bad_reads(shape, SEQUENCES[name], halves=True, final_barrier=False) == set()
+
+
+@pytest.mark.parametrize("name", SEQUENCES)
+def test_old_layout_needed_the_third_barrier(name):
+    """The layout before the halves: with its third barrier no bad read; without it a later
+    call's pushes land on gathered rows a rank still reads, in one of the shapes (the pull forms
+    need a third rank: the reader is not the rank whose next call writes) -- the model can fail."""
+    calls = SEQUENCES[name]
+    assert all(_bad_reads(shape, calls, halves=False, final_barrier=True) == set()
+               for shape in SHAPES)
+    assert any(_bad_reads(shape, calls, halves=False, final_barrier=False) != set()
+               for shape in SHAPES)

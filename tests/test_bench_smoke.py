@@ -83,7 +83,7 @@ def test_allreduce_benchmark_tuning_reaches_the_workspace(monkeypatch):
     assert t.ctas("twoshot", 132) == t.ctas("lamport", 132) == 24
     bench.apply_tuning(ws, {})
     t = ws.states["allreduce"].tuning
-    assert (t.twoshot_form, t.lamport_form, t.ctas("twoshot", 132)) == ("push", "poll-all", 132)
+    assert (t.twoshot_form, t.lamport_form, t.ctas("twoshot", 132)) == ("auto", "poll-all", 132)
 
 
 FAKE_BENCH = '''import json, os, sys

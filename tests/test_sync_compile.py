@@ -69,7 +69,7 @@ def test_algorithm_form_tuning(monkeypatch):
 
     monkeypatch.delenv("DISTNORM_TWOSHOT_FORM", raising=False)
     monkeypatch.delenv("DISTNORM_LAMPORT_FORM", raising=False)
-    assert Tuning.from_env().twoshot_form == "push" == TWOSHOT_FORMS[0]
+    assert Tuning.from_env().twoshot_form == "auto" and TWOSHOT_FORMS[0] == "push"
     assert Tuning.from_env().lamport_form == "poll-all" == LAMPORT_FORMS[0]
     monkeypatch.setenv("DISTNORM_LAMPORT_FORM", "poll-unseen")
     assert Tuning.from_env().form("lamport") == "poll-unseen"
@@ -78,29 +78,43 @@ def test_algorithm_form_tuning(monkeypatch):
     monkeypatch.setenv("DISTNORM_TWOSHOT_FORM", "pull")
     assert Tuning.from_env().twoshot_form == "pull"
     monkeypatch.setenv("DISTNORM_TWOSHOT_FORM", "sideways")
-    with pytest.raises(ValueError, match="DISTNORM_TWOSHOT_FORM='sideways': expected one of push"):
+    with pytest.raises(ValueError, match="DISTNORM_TWOSHOT_FORM='sideways': expected one of auto, push"):
         Tuning.from_env()
     monkeypatch.setenv("DISTNORM_TWOSHOT_FORM", "pull")
     with pytest.raises(ValueError, match="twoshot_form must be one of"):
         Tuning(twoshot_form="sideways")
     monkeypatch.delenv("DISTNORM_REDUCESCATTER_FORM", raising=False)
     monkeypatch.delenv("DISTNORM_ROWGATHER_FORM", raising=False)
+    monkeypatch.delenv("DISTNORM_TWOSHOT_FORM", raising=False)
     auto = Tuning.from_env()
     assert auto.reducescatter_form == auto.rowgather_form == "auto"
     # NOTE [sized forms]: the second kernel form from the threshold's bytes on, the first below
     for algo, forms in (("reducescatter", REDUCESCATTER_FORMS), ("rowgather", ROWGATHER_FORMS)):
-        threshold = SIZED_FORMS[algo][0]
-        assert auto.form(algo, threshold - 1) == forms[0] and auto.form(algo) == forms[0]
-        assert auto.form(algo, threshold) == forms[1] == auto.form(algo, 1 << 40)
-    assert SIZED_FORMS["reducescatter"][0] == 32 << 20 and SIZED_FORMS["rowgather"][0] == 8 << 20
+        threshold = SIZED_FORMS[algo][0][0]
+        for world in (2, 4, 8):  # the same rule for every world size
+            assert auto.form(algo, threshold - 1, world) == forms[0] == auto.form(algo)
+            assert auto.form(algo, threshold, world) == forms[1] == auto.form(algo, 1 << 40)
+    assert SIZED_FORMS["reducescatter"][0][0] == 32 << 20
+    assert SIZED_FORMS["rowgather"][0][0] == 8 << 20
+    # two-shot by world size: push at 2 ranks; below 32 MiB pull at 4 and 8 (3: the next larger
+    # entry, 4; 16: the largest, 8)
+    for nbytes in (0, 1 << 20, (32 << 20) - 1, 32 << 20, 1 << 40):
+        assert auto.form("twoshot", nbytes, 2) == "push"
+    for world in (3, 4, 8, 16):
+        assert auto.form("twoshot", (32 << 20) - 1, world) == "pull"
+        assert auto.form("twoshot", 32 << 20, world) == "push"
+    assert allreduce_kernel_key("twoshot", 4, torch.bfloat16, 4096, None, True, False, True,
+                                False, auto, 512 * 4096 * 2)[-1] == "pull"
+    assert allreduce_kernel_key("twoshot", 2, torch.bfloat16, 4096, None, True, False, True,
+                                False, auto, 512 * 4096 * 2)[-1] == "push"
     assert allreduce_kernel_key("reducescatter", 2, torch.bfloat16, 4096, None, True, False, True,
                                 False, auto, 4099 * 4096 * 2)[-1] == "pipelined"
     monkeypatch.setenv("DISTNORM_REDUCESCATTER_FORM", "serial")
     assert Tuning.from_env().form("reducescatter", 1 << 40) == "serial"  # forced: every size
     monkeypatch.setenv("DISTNORM_REDUCESCATTER_FORM", "pipelined")
     assert Tuning.from_env().form("reducescatter") == "pipelined"
-    with pytest.raises(ValueError, match="twoshot_form must be one of"):
-        Tuning(twoshot_form="auto")  # sized forms only where they were measured
+    with pytest.raises(ValueError, match="lamport_form must be one of"):
+        Tuning(lamport_form="auto")  # sized forms only where they were measured
     with pytest.raises(ValueError, match="reducescatter_form must be one of"):
         Tuning(reducescatter_form="push")
     pull = Tuning(twoshot_form="pull-gather", lamport_form="poll-unseen",
@@ -112,6 +126,11 @@ def test_algorithm_form_tuning(monkeypatch):
     capped = Tuning(max_ctas={"twoshot": 24})
     assert capped.ctas("twoshot", 132) == 24 and capped.ctas("twoshot", 16) == 16
     assert capped.ctas("lamport", 132) == 132  # uncapped: every co-resident CTA
+    # NOTE [world CTA caps]: lamport at 4 ranks takes at most 64 unless max_ctas names it
+    assert Tuning().ctas("lamport", 132, 4) == 64 and Tuning().ctas("lamport", 32, 4) == 32
+    assert Tuning().ctas("lamport", 132, 2) == Tuning().ctas("twoshot", 132, 4) == 132
+    assert Tuning(max_ctas={"lamport": 0}).ctas("lamport", 132, 4) == 132
+    assert Tuning(max_ctas={"lamport": 100}).ctas("lamport", 132, 4) == 100
     state = AllReduceState(Tuning())
     state._calls["planned"] = object()
     state._grid_caps["cap"] = 1

@@ -53,7 +53,7 @@ def allreduce_kernel_key(algo: str, world: int, dtype: torch.dtype, H: int,
     tuning = Tuning.from_env() if tuning is None else tuning
     return (algo, world, DTYPE_NAMES[dtype], H, kernel_spec(spec), has_residual, gemma, write_y,
             write_allreduce, tuning.pdl, tuning.rows_per_cta.get(algo, 0),
-            tuning.form(algo, nbytes))
+            tuning.form(algo, nbytes, world))
 
 
 class PlannedCall:
@@ -73,10 +73,12 @@ class PlannedCall:
         self.algo, self.step = plan_launch(algo, ws.world_size, M, H, dtype.itemsize,
                                            ws.buffer_bytes, kspec.swizzled, gather_acc, plain)
         key = allreduce_kernel_key(self.algo, ws.world_size, dtype, H, kspec, has_residual, gemma,
-                                   write_y, write_allreduce, state.tuning)
+                                   write_y, write_allreduce, state.tuning,
+                                   min(M, self.step) * H * dtype.itemsize)
         self.kernel = compiled_allreduce(*key)
         self.ctas = state.tuning.ctas(self.algo, state.grid_cap(ws.device, H, kspec,
-                                                                 key[ROWS_PER_CTA_ARG]))
+                                                                 key[ROWS_PER_CTA_ARG]),
+                                      ws.world_size)
         self.scalar = format_scalar(spec)  # the one scalar argument the format takes
 
 

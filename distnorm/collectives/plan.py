@@ -16,7 +16,7 @@ from distnorm.collectives.layout import (LAMPORT_AREAS, REGION_LAMPORT, REGION_O
                                          lamport_split, push_half)
 
 __all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "ALGORITHM_FORMS", "AUTO_FORM", "GATHER_BY",
-           "LAMPORT_FORMS", "SIZED_FORMS", "TUNING_FORMS",
+           "LAMPORT_FORMS", "SIZED_FORMS", "TUNING_FORMS", "WORLD_MAX_CTAS", "sized_form",
            "NOPEER_FORMS", "REDUCESCATTER_FORMS", "ROWGATHER_FORMS", "TWOSHOT_FORMS",
            "settings_ranks_share", "check_shared_settings",
            "Tuning", "choose_algo", "lamport_capacity",
@@ -119,8 +119,8 @@ def _default_rows_per_cta() -> dict:
 
 # Who moves the rows of a two-shot call over NVLink (NOTE [two-shot forms] in kernels/twoshot.py):
 # "push" (remote stores in both exchanges), "pull-gather" (stores, then loads), "pull" (loads in
-# both, after a local copy of x). "push" measured best at world 2 (it is what the tables above
-# measured); worlds 4 and 8 are to be measured (--tuning in benchmarks/bench_allreduce_fusion.py).
+# both, after a local copy of x). Tuning's default "auto" picks by world size and bytes
+# (SIZED_FORMS).
 TWOSHOT_FORMS = ("push", "pull-gather", "pull")
 # How a lamport reader polls (NOTE [lamport polls] in kernels/lamport.py): "poll-all" re-reads every
 # slot each pass, "poll-unseen" only the vectors not yet arrived. "poll-all" is what the tables
@@ -139,17 +139,45 @@ ROWGATHER_FORMS = ("unit", "batched")
 # form 0 first; Tuning holds algorithm A's as the field `A_form`, read from DISTNORM_<A>_FORM.
 ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
                    "reducescatter": REDUCESCATTER_FORMS, "rowgather": ROWGATHER_FORMS}
-# NOTE [sized forms]: Tuning's "auto" (the default) for these algorithms takes the second form
-# from this many bytes per call on (reduce-scatter: M x H x element size of x; row gather: the bytes
-# gathered, every rank's rows of every tensor), the first below it. Measured on 2 and 4 H200s
+# NOTE [sized forms]: Tuning's "auto" (the default) for these algorithms takes, per world size
+# (key 0: any), (threshold, form below it, form from it): the second form from this many bytes per
+# call on (reduce-scatter: M x H x element size of x; row gather: the bytes gathered, every rank's
+# rows of every tensor; two-shot: below), the first below it. Measured on 2 and 4 H200s
 # (benchmarks/results/seqpar_forms_h200_x2.md, seqpar_h200_x4.md): the pipelined reduce-scatter
 # wins from 2048 x 8192 bf16 (32 MiB: 73.0 -> 69.7 us at 2 ranks) to 16384 x 8192 (521 -> 483;
 # 4 ranks 696 -> 635) and loses at 2048 x 4096 (16 MiB: 38.0 -> 42.1 at 2 ranks, 58.8 -> 64.4 at
 # 4); the batched gather wins from 8 MiB gathered (2048 x 4096 FP8: 61.1 -> 60.4 us with the
 # serial reduce-scatter at 2 ranks; 16384 x 8192 784 -> 746) and loses 1.7% at 2 MiB (512 x 4096
-# FP8, 4 ranks). Every rank computes the same form from the same call, so they agree.
-SIZED_FORMS = {"reducescatter": (32 << 20, "serial", "pipelined"),
-               "rowgather": (8 << 20, "unit", "batched")}
+# FP8, 4 ranks); the rule itself, 2 ranks: within 2% of the best forced pair at every size
+# (seqpar_sized_h200_x2.md). Every rank computes the same form from the same call, so they agree.
+#
+# Two-shot, by world size (bytes: M x H x element size of one launch's x). World 2: "push" at every
+# size (what the tables above measured; the pull forms never won there). World 4
+# (benchmarks/results/tuning_forms_h200_x4.md, allreduce_small_h200_x4.md, fused FP8 / bf16 norm /
+# plain): "pull" from 1 to 16 MiB (128 x 8192 FP8 25.5 -> 24.1 us, 512 x 4096 39.5 -> 36.1, 512 x
+# 8192 63.3 -> 57.7, 2048 x 4096 101.2 -> 100.1), "push" from 32 MiB (2048 x 8192 179.3 vs 183.6,
+# 8192 x 8192 653.5 vs 680.1); below 1 MiB lamport runs. World 8: NOT measured, world 4's rule.
+SIZED_FORMS = {"reducescatter": {0: (32 << 20, "serial", "pipelined")},
+               "rowgather": {0: (8 << 20, "unit", "batched")},
+               "twoshot": {2: (0, "push", "push"), 4: (32 << 20, "pull", "push"),
+                           8: (32 << 20, "pull", "push")}}
+
+
+def sized_form(algo: str, nbytes: int, world: int) -> str:
+    """NOTE [sized forms]: the form of `algo` for a launch of `nbytes` on `world` ranks (a world
+    size without an entry takes the next larger one's, then the largest's; key 0: any world)."""
+    table = SIZED_FORMS[algo]
+    key = 0 if 0 in table else min((w for w in table if w >= world), default=max(table))
+    threshold, small, large = table[key]
+    return large if nbytes >= threshold else small
+
+
+# NOTE [world CTA caps]: the most CTAs of one launch by world size where fewer than every
+# co-resident CTA measured faster (Tuning.max_ctas, when it names the algorithm, wins). World 4,
+# lamport capped at 64 (two rows per CTA from 128 rows): 128 x 4096 FP8 17.5 -> 16.3 us, bf16 norm
+# 17.6 -> 15.9, plain 17.1 -> 15.4 (benchmarks/results/allreduce_small_h200_x4.md); a cap of 32
+# was slower (18.8, tuning_forms_h200_x4.md). Worlds 2 and 8: not measured, no cap.
+WORLD_MAX_CTAS = {4: {"lamport": 64}}
 AUTO_FORM = "auto"
 # What Tuning's `A_form` accepts, its default first
 TUNING_FORMS = {algo: ((AUTO_FORM,) + forms if algo in SIZED_FORMS else forms)
@@ -172,9 +200,11 @@ class Tuning:
 
     pdl: programmatic dependent launch (NOTE [programmatic dependent launch] in kernels/allreduce.py).
     rows_per_cta: {algo: rows per CTA}, 0 = choose_tiling's.
-    max_ctas: {algo: most CTAs of one launch}, 0 or absent = as many as are co-resident (the
-      barrier kernels' limit, always kept); a run-time argument, so no recompile.
-    twoshot_form: one of TWOSHOT_FORMS (the two-shot kernel's traffic; same bits).
+    max_ctas: {algo: most CTAs of one launch}, 0 = as many as are co-resident (the barrier
+      kernels' limit, always kept), absent = the world size's cap (NOTE [world CTA caps]); a
+      run-time argument, so no recompile.
+    twoshot_form: "auto" (NOTE [sized forms]: by world size and bytes) or one of TWOSHOT_FORMS
+      (the two-shot kernel's traffic; same bits).
     lamport_form: one of LAMPORT_FORMS (how a lamport reader polls; same bits).
     reducescatter_form: "auto" (NOTE [sized forms]) or one of REDUCESCATTER_FORMS (the
       sequence-parallel reduce-scatter's overlap of epilogue and pushes; same bits).
@@ -191,7 +221,7 @@ class Tuning:
     rows_per_cta: Mapping[str, int] = field(default_factory=_default_rows_per_cta)
     timeout_s: float = 10.0
     host_timeout_s: float = 120.0
-    twoshot_form: str = TWOSHOT_FORMS[0]
+    twoshot_form: str = TUNING_FORMS["twoshot"][0]
     lamport_form: str = LAMPORT_FORMS[0]
     reducescatter_form: str = TUNING_FORMS["reducescatter"][0]
     rowgather_form: str = TUNING_FORMS["rowgather"][0]
@@ -209,21 +239,22 @@ class Tuning:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 s, got {getattr(self, name)!r}")
 
-    def ctas(self, algo: str, co_resident: int) -> int:
-        """CTAs of one `algo` launch: at most `co_resident`, at most max_ctas[algo] when set."""
-        cap = self.max_ctas.get(algo, 0)
+    def ctas(self, algo: str, co_resident: int, world: int = 0) -> int:
+        """CTAs of one `algo` launch on `world` ranks: at most `co_resident`, at most
+        max_ctas[algo] when set, else at most the world's cap (NOTE [world CTA caps])."""
+        if algo in self.max_ctas:
+            cap = self.max_ctas[algo]
+        else:
+            cap = WORLD_MAX_CTAS.get(world, {}).get(algo, 0)
         return min(cap, co_resident) if cap > 0 else co_resident
 
-    def form(self, algo: str, nbytes: int = 0) -> str:
-        """The form of `algo`'s kernel (ALGORITHM_FORMS) for a call of `nbytes` (NOTE [sized
-        forms]: what "auto" goes by); "" for an algorithm with one form."""
+    def form(self, algo: str, nbytes: int = 0, world: int = 2) -> str:
+        """The form of `algo`'s kernel (ALGORITHM_FORMS) for a launch of `nbytes` on `world` ranks
+        (NOTE [sized forms]: what "auto" goes by); "" for an algorithm with one form."""
         if algo not in ALGORITHM_FORMS:
             return ""
         form = getattr(self, f"{algo}_form")
-        if form == AUTO_FORM:
-            threshold, small, large = SIZED_FORMS[algo]
-            return large if nbytes >= threshold else small
-        return form
+        return sized_form(algo, nbytes, world) if form == AUTO_FORM else form
 
     @property
     def timeout_ns(self) -> int:
@@ -233,7 +264,7 @@ class Tuning:
     def from_env(cls) -> "Tuning":
         """The defaults, overridden by DISTNORM_PDL=0 (no programmatic dependent launch),
         DISTNORM_BARRIER_TIMEOUT_S and DISTNORM_HOST_TIMEOUT_S (seconds), DISTNORM_TWOSHOT_FORM
-        (one of TWOSHOT_FORMS), DISTNORM_LAMPORT_FORM (one of LAMPORT_FORMS),
+        ("auto" or one of TWOSHOT_FORMS), DISTNORM_LAMPORT_FORM (one of LAMPORT_FORMS),
         DISTNORM_REDUCESCATTER_FORM ("auto" or one of REDUCESCATTER_FORMS),
         DISTNORM_ROWGATHER_FORM ("auto" or one of ROWGATHER_FORMS) and DISTNORM_GATHER_BY (one of
         GATHER_BY)."""

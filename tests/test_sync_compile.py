@@ -90,17 +90,20 @@ def test_algorithm_form_tuning(monkeypatch):
     assert auto.reducescatter_form == auto.rowgather_form == "auto"
     # NOTE [sized forms]: the second kernel form from the threshold's bytes on, the first below
     for algo, forms in (("reducescatter", REDUCESCATTER_FORMS), ("rowgather", ROWGATHER_FORMS)):
-        threshold = SIZED_FORMS[algo][0][0]
+        threshold = SIZED_FORMS[algo][0][1][0]
         for world in (2, 4, 8):  # the same rule for every world size
             assert auto.form(algo, threshold - 1, world) == forms[0] == auto.form(algo)
             assert auto.form(algo, threshold, world) == forms[1] == auto.form(algo, 1 << 40)
-    assert SIZED_FORMS["reducescatter"][0][0] == 32 << 20
-    assert SIZED_FORMS["rowgather"][0][0] == 8 << 20
-    # two-shot by world size: push at 2 ranks; below 32 MiB pull at 4 and 8 (3: the next larger
-    # entry, 4; 16: the largest, 8)
+    assert SIZED_FORMS["reducescatter"][0][1][0] == 32 << 20
+    assert SIZED_FORMS["rowgather"][0][1][0] == 8 << 20
+    # two-shot by world size: push at 2 ranks; pull from 512 KiB to below 32 MiB at 4 and 8 (3: the
+    # next larger entry, 4; 16: the largest, 8), push outside it
     for nbytes in (0, 1 << 20, (32 << 20) - 1, 32 << 20, 1 << 40):
         assert auto.form("twoshot", nbytes, 2) == "push"
     for world in (3, 4, 8, 16):
+        assert auto.form("twoshot", 0, world) == "push"
+        assert auto.form("twoshot", (512 << 10) - 1, world) == "push"
+        assert auto.form("twoshot", 512 << 10, world) == "pull"
         assert auto.form("twoshot", (32 << 20) - 1, world) == "pull"
         assert auto.form("twoshot", 32 << 20, world) == "push"
     assert allreduce_kernel_key("twoshot", 4, torch.bfloat16, 4096, None, True, False, True,

@@ -140,27 +140,28 @@ ROWGATHER_FORMS = ("unit", "batched")
 ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
                    "reducescatter": REDUCESCATTER_FORMS, "rowgather": ROWGATHER_FORMS}
 # NOTE [sized forms]: Tuning's "auto" (the default) for these algorithms takes, per world size
-# (key 0: any), (threshold, form below it, form from it): the second form from this many bytes per
-# call on (reduce-scatter: M x H x element size of x; row gather: the bytes gathered, every rank's
-# rows of every tensor; two-shot: below), the first below it. Measured on 2 and 4 H200s
-# (benchmarks/results/seqpar_forms_h200_x2.md, seqpar_h200_x4.md): the pipelined reduce-scatter
-# wins from 2048 x 8192 bf16 (32 MiB: 73.0 -> 69.7 us at 2 ranks) to 16384 x 8192 (521 -> 483;
-# 4 ranks 696 -> 635) and loses at 2048 x 4096 (16 MiB: 38.0 -> 42.1 at 2 ranks, 58.8 -> 64.4 at
-# 4); the batched gather wins from 8 MiB gathered (2048 x 4096 FP8: 61.1 -> 60.4 us with the
-# serial reduce-scatter at 2 ranks; 16384 x 8192 784 -> 746) and loses 1.7% at 2 MiB (512 x 4096
-# FP8, 4 ranks); the rule itself, 2 ranks: within 2% of the best forced pair at every size
+# (key 0: any), a ladder ((from_bytes, form), ...): the form of the last rung whose from_bytes the
+# call's bytes reach (reduce-scatter: M x H x element size of x; row gather: the bytes gathered,
+# every rank's rows of every tensor; two-shot: one launch's M x H x element size of x). Measured
+# on 2 and 4 H200s (benchmarks/results/seqpar_forms_h200_x2.md, seqpar_h200_x4.md): the pipelined
+# reduce-scatter wins from 2048 x 8192 bf16 (32 MiB: 73.0 -> 69.7 us at 2 ranks) to 16384 x 8192
+# (521 -> 483; 4 ranks 696 -> 635) and loses at 2048 x 4096 (16 MiB: 38.0 -> 42.1 at 2 ranks,
+# 58.8 -> 64.4 at 4); the batched gather wins from 8 MiB gathered (2048 x 4096 FP8: 61.1 -> 60.4 us
+# with the serial reduce-scatter at 2 ranks; 16384 x 8192 784 -> 746) and loses 1.7% at 2 MiB (512
+# x 4096 FP8, 4 ranks); the rule itself, 2 ranks: within 2% of the best forced pair at every size
 # (seqpar_sized_h200_x2.md). Every rank computes the same form from the same call, so they agree.
 #
-# Two-shot, by world size (bytes: M x H x element size of one launch's x). World 2: "push" at every
-# size (what the tables above measured; the pull forms never won there). World 4
-# (benchmarks/results/tuning_forms_h200_x4.md, allreduce_small_h200_x4.md, fused FP8 / bf16 norm /
-# plain): "pull" from 1 to 16 MiB (128 x 8192 FP8 25.5 -> 24.1 us, 512 x 4096 39.5 -> 36.1, 512 x
-# 8192 63.3 -> 57.7, 2048 x 4096 101.2 -> 100.1), "push" from 32 MiB (2048 x 8192 179.3 vs 183.6,
-# 8192 x 8192 653.5 vs 680.1); below 1 MiB lamport runs. World 8: NOT measured, world 4's rule.
-SIZED_FORMS = {"reducescatter": {0: (32 << 20, "serial", "pipelined")},
-               "rowgather": {0: (8 << 20, "unit", "batched")},
-               "twoshot": {2: (0, "push", "push"), 4: (32 << 20, "pull", "push"),
-                           8: (32 << 20, "pull", "push")}}
+# Two-shot, by world size. World 2: "push" at every size (the pull forms never won there). World 4
+# (benchmarks/results/tuning_forms_h200_x4.md, allreduce_small_h200_x4.md, world4_ab_h200_x4.md;
+# fused FP8 / plain, three-barrier two-shot): "pull" from 512 KiB to 32 MiB (128 x 4096 FP8 19.3 ->
+# 19.0 us, 128 x 8192 25.6 -> 24.2, 512 x 4096 39.0 -> 36.2, 512 x 8192 64.4 -> 58.1), "push" below
+# (1 x 4096 FP8 11.5 vs 12.2 pulled, 8 x 8192 14.2 vs 14.6) and from 32 MiB (8192 x 8192 653.5 vs
+# 680.1). Auto runs lamport below 1 MiB, so the lower rung matters to forced two-shot calls. World
+# 8: NOT measured, world 4's rule.
+_TWOSHOT_WIDE = ((0, "push"), (512 << 10, "pull"), (32 << 20, "push"))
+SIZED_FORMS = {"reducescatter": {0: ((0, "serial"), (32 << 20, "pipelined"))},
+               "rowgather": {0: ((0, "unit"), (8 << 20, "batched"))},
+               "twoshot": {2: ((0, "push"),), 4: _TWOSHOT_WIDE, 8: _TWOSHOT_WIDE}}
 
 
 def sized_form(algo: str, nbytes: int, world: int) -> str:
@@ -168,8 +169,7 @@ def sized_form(algo: str, nbytes: int, world: int) -> str:
     size without an entry takes the next larger one's, then the largest's; key 0: any world)."""
     table = SIZED_FORMS[algo]
     key = 0 if 0 in table else min((w for w in table if w >= world), default=max(table))
-    threshold, small, large = table[key]
-    return large if nbytes >= threshold else small
+    return [form for from_bytes, form in table[key] if nbytes >= from_bytes][-1]
 
 
 # NOTE [world CTA caps]: the most CTAs of one launch by world size where fewer than every

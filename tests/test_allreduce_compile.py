@@ -117,9 +117,36 @@ def test_max_chunk_rows_exact(world, hidden, buffer_bytes):
     assert choose_algo("auto", world, m_small, hidden, es, buffer_bytes) == "lamport"
     assert choose_algo("auto", world, cap + 1, hidden, es, buffer_bytes) != "lamport"
     assert choose_algo("lamport", world, cap + 1, hidden, es, buffer_bytes) == "lamport"
-    # a chunked swizzled lamport call whose area holds < 128 rows runs one-shot instead
+    # a chunked swizzled lamport call whose area holds < 128 rows runs one-shot instead, or
+    # two-shot when one-shot's part cannot hold 128 rows either
     algo, step = plan_launch("lamport", world, cap + 1, hidden, es, buffer_bytes, True, False, False)
-    assert (algo == "oneshot") == (cap < 128) and step >= 1
+    assert (algo != "lamport") == (cap < 128) and step >= 1
+    if algo != "lamport":
+        try:
+            max_chunk_rows("oneshot", world, cap + 1, hidden, es, buffer_bytes, True, False)
+            assert algo == "oneshot"
+        except ValueError:
+            assert algo == "twoshot"
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_auto_never_fails_where_twoshot_fits(world):
+    """An algorithm distnorm picked (auto, or one-shot for a chunked swizzled lamport call) that
+    cannot hold one chunk gives way to two-shot; an algorithm the caller named still raises."""
+    from distnorm.collectives.plan import max_chunk_rows, plan_launch
+    for mib in (8, 16, 32, 64):
+        for hidden in (4096, 7168, 16384):
+            for m in (1, 7, 127, 128, 129, 256, 1000, 4099):
+                for swz in (False, True):
+                    try:
+                        max_chunk_rows("twoshot", world, m, hidden, 2, mib << 20, swz, False)
+                    except ValueError:
+                        continue
+                    algo, step = plan_launch("auto", world, m, hidden, 2, mib << 20, swz, False,
+                                             False)
+                    assert step >= 1 and (not swz or step >= min(m, 128))
+    with pytest.raises(ValueError, match="for oneshot on"):
+        plan_launch("oneshot", world, 4099, 16384, 2, 8 << 20, True, False, False)
 
 
 def test_choose_algo_rejects_unknown():

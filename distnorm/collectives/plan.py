@@ -152,7 +152,7 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
 # (seqpar_sized_h200_x2.md). Every rank computes the same form from the same call, so they agree.
 #
 # Two-shot, by world size. World 2: "push" at every size (the pull forms never won there). World 4
-# (benchmarks/results/tuning_forms_h200_x4.md, allreduce_small_h200_x4.md, world4_ab_h200_x4.md;
+# (benchmarks/results/tuning_forms_h200_x4.md, allreduce_small_h200_x4.md, branches_ab_h200_x4.md;
 # fused FP8 / plain, three-barrier two-shot): "pull" from 512 KiB to 32 MiB (128 x 4096 FP8 19.3 ->
 # 19.0 us, 128 x 8192 25.6 -> 24.2, 512 x 4096 39.0 -> 36.2, 512 x 8192 64.4 -> 58.1), "push" below
 # (1 x 4096 FP8 11.5 vs 12.2 pulled, 8 x 8192 14.2 vs 14.6) and from 32 MiB (8192 x 8192 653.5 vs
@@ -176,7 +176,9 @@ def sized_form(algo: str, nbytes: int, world: int) -> str:
 # co-resident CTA measured faster (Tuning.max_ctas, when it names the algorithm, wins). World 4,
 # lamport capped at 64 (two rows per CTA from 128 rows): 128 x 4096 FP8 17.5 -> 16.3 us, bf16 norm
 # 17.6 -> 15.9, plain 17.1 -> 15.4 (benchmarks/results/allreduce_small_h200_x4.md); a cap of 32
-# was slower (18.8, tuning_forms_h200_x4.md). Worlds 2 and 8: not measured, no cap.
+# was slower (18.8, tuning_forms_h200_x4.md); with the spare checker FP8 128 x 4096 17.6 -> 16.1
+# (branches_ab_h200_x4.md; slower from 512 rows, where auto runs two-shot). Worlds 2 and 8: not
+# measured, no cap.
 WORLD_MAX_CTAS = {4: {"lamport": 64}}
 AUTO_FORM = "auto"
 # What Tuning's `A_form` accepts, its default first
@@ -368,10 +370,20 @@ def max_chunk_rows(algo: str, world: int, m: int, hidden: int, elem_size: int, b
 def plan_launch(algo: str, world: int, m: int, hidden: int, elem_size: int, buffer_bytes: int,
                 swizzled: bool, gather_acc: bool, plain: bool) -> tuple[str, int]:
     """(algorithm, rows per launch) for one call of m rows: choose_algo, except that a lamport call
-    with swizzled scales that needs chunks but whose area holds fewer than 128 rows runs one-shot."""
-    algo = choose_algo(algo, world, m, hidden, elem_size, buffer_bytes, plain)
-    if algo == "lamport" and swizzled and m > 1:
+    with swizzled scales that needs chunks but whose area holds fewer than 128 rows runs one-shot,
+    and an algorithm distnorm chose (auto, or that one-shot) whose part of the buffer cannot hold
+    one chunk runs two-shot, whose chunk holds a slice of every row (ValueError only when the
+    caller named the algorithm, or two-shot does not fit either)."""
+    chosen = choose_algo(algo, world, m, hidden, elem_size, buffer_bytes, plain)
+    if chosen == "lamport" and swizzled and m > 1:
         cap = lamport_capacity(world, hidden, elem_size, buffer_bytes)
         if cap < m and cap < SWIZZLE_ROWS:
-            algo = "oneshot"
-    return algo, max_chunk_rows(algo, world, m, hidden, elem_size, buffer_bytes, swizzled, gather_acc)
+            chosen = "oneshot"
+    try:
+        return chosen, max_chunk_rows(chosen, world, m, hidden, elem_size, buffer_bytes,
+                                      swizzled, gather_acc)
+    except ValueError:
+        if chosen in (algo, "twoshot"):
+            raise
+    return "twoshot", max_chunk_rows("twoshot", world, m, hidden, elem_size, buffer_bytes,
+                                     swizzled, gather_acc)

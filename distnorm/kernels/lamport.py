@@ -34,10 +34,13 @@ waits for the descriptors (with the same timeout, peer -1 in the error), off eve
 Otherwise it is the last thread of CTA 0's first row (thread 0 also arrives on the call state
 through an acq_rel atomic), which loads the headers in each pass of its row polls but never waits
 for them there: its row's sum and epilogue go on as soon as the row arrived, and any descriptor
-not seen by then is waited for after the outputs. Waiting for them inside the poll cost lamport +4.5..+9% at M = 1 on 2 x
-H200, about all of what fault handling added to it; this form is within +0.11 us of the tree
-before fault handling (benchmarks/results/lamport_descriptor_ab_h200_x2.md). A mismatch still
-arrives in the failing call: the checker sees the descriptor in the pass where it lands.
+not seen by then is waited for after the outputs. Waiting for them inside the poll cost lamport
++4.5..+9% at M = 1 on 2 x H200, about all of what fault handling added to it; the row thread's
+form is within +0.11 us of the tree before fault handling there
+(benchmarks/results/lamport_descriptor_ab_h200_x2.md), and the spare CTA took another 5-6% off
+one row at 4 ranks (FP8 1 x 4096 4.99 -> 4.75 us), ~1% at 8 rows, nothing measurable at 2 ranks
+(benchmarks/results/branches_ab_h200_x4.md, branches_ab_h200_x2.md). A mismatch still arrives in
+the failing call: the checker sees the descriptor in the pass where it lands.
 """
 from __future__ import annotations
 

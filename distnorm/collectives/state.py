@@ -30,8 +30,9 @@ class AllReduceState:
     tuning: launch settings (plan.Tuning; from the environment unless given).
     lamport_ptrs: int64 [3 * world] device table of every rank's lamport areas (entry k * world + s =
       rank s's area k), built when the areas are first filled with the sentinel.
-    twoshot_ptrs: int64 [2 * world] device table of every rank's buffer, then of its upper half
-      (two-shot's gather areas, NOTE [push and gather halves]), built on the first two-shot call.
+    halves_ptrs: int64 [2 * world] device table of every rank's buffer, then of its upper half
+      (two-shot's gather areas, NOTE [push and gather halves]), built on the first call that takes
+      it (every algorithm whose plan.Algorithm has two tables).
     """
 
     def __init__(self, tuning: Optional[Tuning] = None) -> None:
@@ -39,7 +40,7 @@ class AllReduceState:
         self._grid_caps: dict = {}
         self.tuning = Tuning.from_env() if tuning is None else tuning
         self.lamport_ptrs: Optional[Tensor] = None
-        self.twoshot_ptrs: Optional[Tensor] = None
+        self.halves_ptrs: Optional[Tensor] = None
         self.fallback_logged = False
         # passes through the host barriers (faults.host_barrier): the first-call one may be
         # skipped by a rank that failed, so reset() re-zeroes it; reset() counts its own
@@ -92,13 +93,13 @@ class AllReduceState:
         rank); None for lamport before its areas are prepared (lamport_table prepares them)."""
         if algo == "lamport":
             return self.lamport_ptrs
-        if algo == "twoshot":
-            if self.twoshot_ptrs is None:
+        if ALGORITHMS[algo].ptr_tables == 2:  # bases, then upper halves (two-shot)
+            if self.halves_ptrs is None:
                 half = push_half(lamport_split(ws.buffer_bytes)[0])
                 host = ws.buffer_ptrs_host
-                self.twoshot_ptrs = torch.tensor(list(host) + [p + half for p in host],
-                                                 dtype=torch.int64, device=ws.device)
-            return self.twoshot_ptrs
+                self.halves_ptrs = torch.tensor(list(host) + [p + half for p in host],
+                                                dtype=torch.int64, device=ws.device)
+            return self.halves_ptrs
         return ws.buffer_ptrs
 
     def _lamport_table(self, ws) -> Tensor:

@@ -14,6 +14,10 @@
                   kernel
     nccl+fused    NCCL all-reduce (in place on its own buffer, no copy: its values grow from call
                   to call, which costs NCCL and the kernel nothing), then distnorm.add_rmsnorm
+  with --parts, the pieces those paths are made of, each alone (where the time goes):
+    nccl-ar       NCCL all_reduce of x (in place)      nccl-ag   all_gather_into_tensor of x
+    nccl-a2a      all_to_all_single of x                fused     distnorm.add_rmsnorm on one GPU
+    fold          the slots kernel on [N, M, H] parts (what the gather form runs after its all_gather)
 
     torchrun --nproc-per-node 2 benchmarks/bench_fallback.py --out benchmarks/results/fallback_h200_x2
     torchrun --nproc-per-node 4 benchmarks/bench_fallback.py --ranks-per-node 2 --out ...
@@ -42,10 +46,12 @@ from distnorm.launch import init_distributed  # noqa: E402
 
 SHAPES = [(M, H) for H in (4096, 8192) for M in (1, 16, 128, 512, 2048, 8192, 16384)]
 PATHS = ("peer", "nopeer", "gather", "split", "rowsplit-torch", "allgather", "nccl+fused")
+PARTS = ("nccl-ar", "nccl-ag", "nccl-a2a", "fused", "fold")
 
 
 def _callables(x, res, w, peer, nccl, chain):
     from distnorm.args import allocate_outputs
+    from distnorm.collectives.nopeer import fold_epilogue
     from distnorm.collectives.rowsplit import FlatSplit, allreduce_by_slices
     from distnorm.formats import make_quant_spec
 
@@ -87,6 +93,18 @@ def _callables(x, res, w, peer, nccl, chain):
         "allgather": allgather,
         "nccl+fused": nccl_fused,
     }
+    world = dist.get_world_size()
+    gathered = torch.randn(world * x.shape[0], x.shape[1], device=x.device).to(x.dtype)
+    exchanged = torch.empty_like(x)
+    parts = gathered.view(world, *x.shape)
+    paths.update({
+        "nccl-ar": lambda: dist.all_reduce(buf),
+        "nccl-ag": lambda: dist.all_gather_into_tensor(gathered, x),
+        "nccl-a2a": lambda: dist.all_to_all_single(exchanged, x),
+        "fused": lambda: distnorm.add_rmsnorm(x, res, w, 1e-6, **kw),
+        "fold": lambda: fold_epilogue(parts, res, w, 1e-6, spec, None, None, False, res_out, None,
+                                      q_out, scales_out),
+    })
     if chain is not None:
         paths["nodechain"] = lambda: distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6,
                                                                     workspace=chain, **kw)
@@ -100,13 +118,19 @@ def main() -> None:
                    help="also time the node chain with nodes of this many ranks")
     p.add_argument("--buffer-mib", type=int, default=64,
                    help="workspace data buffer (MiB): the no-peer forms run in chunks that fit it")
+    p.add_argument("--parts", action="store_true",
+                   help="also time the pieces (NCCL all_reduce / all_gather / all_to_all, the "
+                        "single-GPU op, the slots kernel) each alone")
+    p.add_argument("--paths", nargs="*", default=None, help="only these paths (default: all)")
     args = p.parse_args()
     buffer_bytes = args.buffer_mib << 20
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     G = args.ranks_per_node
-    paths = PATHS + (("nodechain",) if G and 1 < G < world else ())
+    paths = PATHS + (("nodechain",) if G and 1 < G < world else ()) + (PARTS if args.parts else ())
+    if args.paths:
+        paths = tuple(k for k in paths if k in args.paths)
     chain = (distnorm.Workspace(backend="none", buffer_bytes=buffer_bytes, ranks_per_node=G)
              if "nodechain" in paths else None)
     with distnorm.Workspace(buffer_bytes=buffer_bytes) as peer, \
@@ -119,6 +143,8 @@ def main() -> None:
                            ).to(torch.bfloat16) + 0.5  # the same on every rank
             row = {"M": M, "H": H}
             for name, fn in _callables(x, res, w, peer, nccl, chain).items():
+                if name not in paths:
+                    continue
                 try:
                     t = torch.tensor([time_graph_us(fn, prequeue=True)], device="cuda")
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -144,7 +170,7 @@ def main() -> None:
         for r in rows:
             vals = " | ".join("fail" if r[k] is None else f"{r[k]:.1f}" for k in paths)
             ratio = (f"{r['nopeer'] / r['nccl+fused']:.2f}"
-                     if r["nopeer"] and r["nccl+fused"] else "")
+                     if r.get("nopeer") and r.get("nccl+fused") else "")
             lines.append(f"| {r['M']} x {r['H']} | {vals} | {ratio} |")
         with open(args.out + ".md", "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -25,8 +25,8 @@ takes equal shards). Every entry: a CUDA graph of 20 calls (common.time_graph_us
 max over ranks. `GB/s`: the bytes one GPU must send in the fused form -- (N-1)/N of the M x H bf16
 partial sums, plus (N-1)/N of the gathered q and scales -- over dn_rs_<fmt>_gather's time. Before
 timing, each shape's distnorm outputs are checked bitwise against the fused all-reduce's (residual
-rows of the shard, gathered q and scales); `rs_kernel` says whether the reduce-scatter ran as the
-peer kernel (False: the call did not fit the workspace and took torch.distributed). Writes <out>.md /
+rows of the shard, gathered q and scales); `rs_kernel` says whether the reduce-scatter ran as one
+peer kernel launch (False: in chunks, or torch.distributed; NOTE [reduce-scatter chunks]). Writes <out>.md /
 .json / .png. `--smoke`: the check and every case once, no timing (CPU: gloo ranks and a CPU
 workspace; tests/test_bench_smoke.py).
 """
@@ -164,6 +164,9 @@ def main(argv=None) -> list:
     ap.add_argument("--tokens", type=int, nargs="*", default=[128, 512, 2048, 8192, 16384])
     ap.add_argument("--hidden", type=int, nargs="*", default=[4096, 8192])
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--buffer-mib", type=int, default=0,
+                    help="workspace data buffer (MiB; default: one reduce-scatter launch for the "
+                         "largest call); smaller runs large calls in chunks")
     ap.add_argument("--smoke", action="store_true", help="check + every case once, no timing")
     args = ap.parse_args(argv)
     init_distributed()
@@ -174,7 +177,10 @@ def main(argv=None) -> list:
     dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     max_m, max_h = max(args.tokens), max(args.hidden)
     ws = distnorm.Workspace(dist.group.WORLD, device=None if on_gpu else "cpu",
-                            buffer_bytes=min(1 << 30, world * max_m * max_h * 2) + (16 << 20))
+                            # the reduce-scatter's pushes live in the lower half of the general
+                            # part (3/4 of the buffer): one launch for the largest call
+                            buffer_bytes=(args.buffer_mib << 20) or
+                            min(1 << 31, max_m * max_h * 2 * 8 // 3 + (32 << 20)))
     symm = None
     if on_gpu:
         from peers import SymmMemAllReduce
@@ -197,7 +203,8 @@ def main(argv=None) -> list:
                             ).to(torch.bfloat16)
             res = torch.randn(M, H, device=dev, generator=torch.Generator(dev).manual_seed(M)
                               ).to(torch.bfloat16)
-            row = {"M": M, "H": H, "rs_kernel": on_gpu and seqpar._kernel_fits(ws, x),
+            one_launch = seqpar._kernel_chunk(ws, x, None) >= -(-M // world)
+            row = {"M": M, "H": H, "rs_kernel": on_gpu and one_launch,
                    "outputs_match": outputs_match(x, res, w, ws)}
             for name, fn in cases(x, res, w, ws, on_gpu, symm, compiled_tail).items():
                 dist.barrier()

@@ -96,3 +96,85 @@ def _body() -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_shards_and_gathers_bitwise_allreduce(world):
     spawn(_body, world, timeout_s=600, cpu_only=True)
+
+
+class _FakeRows:
+    """What _kernel_chunk reads of x: a CUDA tensor's shape and element size."""
+
+    is_cuda = True
+
+    def __init__(self, M: int, H: int) -> None:
+        self.shape = (M, H)
+
+    def element_size(self) -> int:
+        return 2
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_reduce_scatter_chunk_rule(world):
+    """NOTE [reduce-scatter chunks]: one launch when the call fits; chunks of the shard (whole
+    128-row tiles for swizzled scales) when it does not and M splits evenly; else 0
+    (torch.distributed)."""
+    from types import SimpleNamespace
+
+    from distnorm import formats
+    from distnorm.collectives.plan import max_chunk_rows
+    from distnorm.collectives.seqpar import _kernel_chunk
+
+    H, buf = 4096, 16 << 20
+    ws = SimpleNamespace(p2p_ok=True, world_size=world, buffer_bytes=buf)
+    cap = max_chunk_rows("reducescatter", world, 1, H, 2, buf, False, False)
+    nvfp4 = formats.make_quant_spec("nvfp4")
+    assert _kernel_chunk(ws, _FakeRows(cap, H), None) == -(-cap // world)  # fits: the shard
+    M = world * cap  # does not fit, splits evenly
+    assert _kernel_chunk(ws, _FakeRows(M, H), None) == cap // world
+    assert _kernel_chunk(ws, _FakeRows(M, H), nvfp4) == cap // world // 128 * 128
+    assert _kernel_chunk(ws, _FakeRows(M + 1, H), None) == 0  # uneven: torch.distributed
+    assert _kernel_chunk(SimpleNamespace(p2p_ok=False, world_size=world, buffer_bytes=buf),
+                         _FakeRows(M, H), None) == 0
+
+
+@pytest.mark.parametrize("spec_name", [None, "fp8_per_token", "nvfp4"])
+def test_reduce_scatter_chunks_take_each_shards_rows(monkeypatch, spec_name):
+    """NOTE [reduce-scatter chunks]: launch k gets rows [k c, (k + 1) c) of every rank's shard in
+    one contiguous x (block r = rank r's), and writes the shard's rows [k c, (k + 1) c) of every
+    output. A stand-in launch writes h = x's block `rank` + residual and q / scales / y that name
+    their rows; the outputs after all chunks must be exactly those of one launch."""
+    from types import SimpleNamespace
+
+    import distnorm.collectives.seqpar as seqpar
+    import distnorm.collectives.state as state
+    from distnorm import formats
+
+    world, rank, local, H, chunk = 3, 1, 300, 64, 128
+    spec = formats.make_quant_spec(spec_name) if spec_name else None
+    launches = []
+
+    def launch(ws, st, x, residual, residual_out, weight, y_out, q_out, scales_out, *rest):
+        rows = x.shape[0] // world
+        mine = x[rank * rows:(rank + 1) * rows]
+        launches.append(rows)
+        residual_out.copy_(mine + residual)
+        if y_out is not None:
+            y_out.copy_(mine)
+        if q_out is not None:
+            q_out.view(torch.uint8).copy_(mine[:, :q_out.shape[1]].view(torch.uint8)[:, ::2])
+        if scales_out is not None:
+            scales_out.view(torch.uint8).fill_(len(launches))
+
+    monkeypatch.setattr(seqpar, "_launch_scatter", launch)
+    monkeypatch.setattr(state, "state_of", lambda ws: None)
+    ws = SimpleNamespace(world_size=world, rank=rank)
+    x = torch.randn(world * local, H).to(torch.bfloat16)
+    res = torch.randn(local, H).to(torch.bfloat16)
+    args = (ws, x, res, None, 1e-6, spec, None, None, False, True, local, {})
+    one = seqpar._shard_by_kernel(*args, local)
+    assert launches == [local]
+    chunked = seqpar._shard_by_kernel(*args, chunk)
+    assert launches[1:] == [128, 128, 44]
+    _same(chunked.residual, one.residual, "h")
+    _same(chunked.y, one.y, "y")
+    _same(chunked.q, one.q, "q")
+    if spec is not None and spec.block_scaled and spec.swizzled:  # chunk k's tiles say k
+        tiles = chunked.scales.view(torch.uint8).reshape(3, -1)  # 300 rows: 3 tiles of 128
+        assert [int(t[0]) for t in tiles] == [2, 3, 4], "swizzled scale tiles per launch"

@@ -11,9 +11,10 @@ allreduce_add_rmsnorm's for those rows (ordered float32 sum, one rounding of h; 
 invariance), and the gathered q / scales are bitwise allreduce_add_rmsnorm's for all M.
 
 With peer mappings the reduce-scatter is one kernel (algorithm "reducescatter" of
-kernels/twoshot.py: the two-shot push, then the norm-quant epilogue of the own shard); without
-them, or when the call does not fit the workspace's buffer, torch.distributed (all_to_all; the
-single-GPU kernel for the epilogue, the reference on CPU). Gathers (gather=True, all_gather,
+kernels/twoshot.py: the two-shot push, then the norm-quant epilogue of the own shard), launched
+per chunk when the call is larger than the buffer holds (NOTE [reduce-scatter chunks]); without
+them, or when a call that needs chunks has rows that do not split evenly, torch.distributed
+(all_to_all; the single-GPU kernel for the epilogue, the reference on CPU). Gathers (gather=True, all_gather,
 all_gather_scales) go through the peer mappings when the workspace has them (the row gather,
 kernels/rowgather.py: q, scales and y of a call in one launch per chunk of rows; Tuning.gather_by
 = "nccl" or DISTNORM_GATHER_BY=nccl chooses torch.distributed), else torch.distributed
@@ -126,7 +127,8 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
     has_scales = spec is not None and scales_geometry(spec, M, H) is not None
     full = {}  # gather=True on the kernel path: y / q written into the gathered tensors' rows
     S = -(-M // world)
-    if _kernel_fits(workspace, x2):
+    chunk = _kernel_chunk(workspace, x2, spec)
+    if chunk:
         if gather:
             if want_y:
                 full["y"] = torch.empty(world * S, H, dtype=x2.dtype, device=x2.device)
@@ -135,7 +137,7 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
                                         device=x2.device)
         out = _shard_by_kernel(workspace, x2, residual, weight, eps, spec, scale, global_scale,
                                gemma, want_y, local,
-                               {k: t[rank * S:rank * S + local] for k, t in full.items()})
+                               {k: t[rank * S:rank * S + local] for k, t in full.items()}, chunk)
         linear = scales_to_linear(out.scales, spec, local, H) if has_scales and gather else None
     else:
         out = slice_epilogue(reduce_rows(x2, group), x2.dtype, residual, weight, eps, spec, scale,
@@ -210,35 +212,81 @@ def _(x, residual, weight, eps, quant, scale, global_scale, gemma, norm_out, gat
     return tuple(x.new_empty_strided(shape, stride, dtype=d) for shape, stride, d in specs)
 
 
-def _kernel_fits(ws: Workspace, x: Tensor) -> bool:
-    """Peer mappings, a CUDA x, and the call's slices fit the workspace's buffer."""
+def _kernel_chunk(ws: Workspace, x: Tensor, spec: Optional[QuantSpec]) -> int:
+    """Rows of every rank's shard per reduce-scatter launch (NOTE [reduce-scatter chunks]), or 0:
+    torch.distributed (no peer mappings, a CPU or empty x, or a call that needs chunks but whose
+    rows do not split evenly over the ranks)."""
     if not (x.is_cuda and ws.p2p_ok) or x.shape[0] == 0:
-        return False
-    from distnorm.collectives.plan import max_chunk_rows
+        return 0
+    from distnorm.collectives.plan import SWIZZLE_ROWS, max_chunk_rows
+
+    M, H = x.shape
+    world = ws.world_size
+    S = -(-M // world)
     try:
-        fits = max_chunk_rows("reducescatter", ws.world_size, x.shape[0], x.shape[1],
-                              x.element_size(), ws.buffer_bytes, False, False) >= x.shape[0]
+        cap = max_chunk_rows("reducescatter", world, M, H, x.element_size(), ws.buffer_bytes,
+                             False, False)
     except ValueError:
-        fits = False
-    if not fits:
-        log.warning("distnorm.reduce_scatter_add_rmsnorm: %d x %d does not fit the workspace's "
-                    "buffer of %d bytes; using torch.distributed", *x.shape, ws.buffer_bytes)
-    return fits
+        cap = 0
+    if cap >= M:
+        return S
+    per_rank = cap // world
+    if spec is not None and spec.block_scaled and spec.swizzled:
+        per_rank = per_rank // SWIZZLE_ROWS * SWIZZLE_ROWS
+    if M % world == 0 and per_rank >= 1:
+        return per_rank
+    log.warning("distnorm.reduce_scatter_add_rmsnorm: %d x %d does not fit the workspace's "
+                "buffer of %d bytes in one launch, and its rows do not split evenly over %d "
+                "ranks (chunks need that); using torch.distributed", M, H, ws.buffer_bytes, world)
+    return 0
+
+
+# NOTE [reduce-scatter chunks]
+# A call larger than the buffer's lower half runs in launches of c rows of every rank's shard:
+# launch k reduces rows [k c, (k + 1) c) of each shard, which sit in world blocks of x, so they are
+# first copied into one contiguous [world * c, H] tensor (the kernel's x: its row split hands
+# rank r block r). Each launch's outputs are the shards' rows [k c, (k + 1) c) (swizzled scales:
+# c a multiple of 128, so launches start on whole scale tiles). The copy costs a read and a write
+# of x, against the torch.distributed path's all_to_all (about 3x the kernel's time at
+# 16384 x 8192 on 2 x H200). Only when M splits evenly (every shard full, as vLLM's sequence
+# parallelism pads tokens to); other M that do not fit take torch.distributed.
 
 
 def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scale, global_scale,
-                     gemma, want_y, local, given: dict) -> NormQuantOutput:
+                     gemma, want_y, local, given: dict, chunk: int) -> NormQuantOutput:
     """The reduce-scatter kernel: shard outputs, scales in spec's layout for the shard's rows;
-    given: "y" / "q" outputs to write (the shard's rows of the gathered tensors)."""
+    given: "y" / "q" outputs to write (the shard's rows of the gathered tensors); chunk: shard rows
+    per launch (NOTE [reduce-scatter chunks])."""
+    from distnorm.collectives.dispatch import _rows, _scale_rows
     from distnorm.collectives.state import state_of
+
+    state = state_of(ws)
+    residual_out, y_out, q_out, scales_out = allocate_outputs(
+        x[:local], spec, residual is not None, want_y, None, given.get("y"), given.get("q"), None)
+    if chunk >= local:
+        _launch_scatter(ws, state, x, residual, residual_out, weight, y_out, q_out, scales_out,
+                        spec, scale, global_scale, gemma, eps)
+    else:
+        world, H = ws.world_size, x.shape[1]
+        blocks = x.view(world, local, H)  # chunks need M = world * local (_kernel_chunk)
+        for a in range(0, local, chunk):
+            b = min(local, a + chunk)
+            _launch_scatter(ws, state, blocks[:, a:b].reshape(world * (b - a), H),
+                            _rows(residual, a, b), _rows(residual_out, a, b), weight,
+                            _rows(y_out, a, b), _rows(q_out, a, b),
+                            _scale_rows(spec, scales_out, a, b), spec, scale, global_scale, gemma,
+                            eps)
+    return NormQuantOutput(residual_out, y_out, q_out, returned_scales(spec, scale, scales_out),
+                           None)
+
+
+def _launch_scatter(ws: Workspace, state, x: Tensor, residual, residual_out, weight, y_out, q_out,
+                    scales_out, spec, scale, global_scale, gemma, eps) -> None:
+    """One reduce-scatter launch over x [world * rows, H]: this rank's rows into the outputs."""
     from distnorm.collectives.dispatch import allreduce_kernel_key
     from distnorm.kernels.compile_allreduce import compiled_allreduce
 
-    state = state_of(ws)
     kspec = kernel_spec(spec)
-    shard_like = x[:local]
-    residual_out, y_out, q_out, scales_out = allocate_outputs(
-        shard_like, spec, residual is not None, want_y, None, given.get("y"), given.get("q"), None)
     kernel = compiled_allreduce(*allreduce_kernel_key(
         "reducescatter", ws.world_size, x.dtype, x.shape[1], spec, residual is not None, gemma,
         y_out is not None, False, state.tuning, x.numel() * x.element_size()))
@@ -250,8 +298,6 @@ def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scal
            state.tuning.ctas("reducescatter", state.grid_cap(x.device, x.shape[1], kspec, 0)),
            float(eps), state.tuning.timeout_ns)
     after_launch(ws, x.device)
-    return NormQuantOutput(residual_out, y_out, q_out, returned_scales(spec, scale, scales_out),
-                           None)
 
 
 def all_gather(t: Tensor, *, workspace: Workspace, rows: int) -> Tensor:

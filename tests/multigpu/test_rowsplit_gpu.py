@@ -49,12 +49,17 @@ def _poisoned_outputs(quant, opts, M: int, H: int, in_place: bool) -> dict:
 
 def _body() -> None:
     import distnorm
+    from distnorm import formats
+    from distnorm.collectives.seqpar import _kernel_chunk
     from distnorm.comm import resolve_bootstrap
     from quant_check import quant_kwargs
 
     boot = resolve_bootstrap(None)
     peer = distnorm.Workspace(buffer_bytes=32 << 20)
     nccl = distnorm.Workspace(backend="none", buffer_bytes=4 << 20)  # 4 MiB: chunks at M=2000
+    # 16 MiB: the reduce-scatter of M = 2000 runs in launches of 384 / 192 rows per shard (2 / 4
+    # ranks; swizzled scales 256 / 128), the last one partial (NOTE [reduce-scatter chunks])
+    small = distnorm.Workspace(buffer_bytes=16 << 20)
     assert peer.p2p_ok and not nccl.p2p_ok and "none" in nccl.fallback_reason
     world = peer.world_size
     chain = (distnorm.Workspace(backend="none", buffer_bytes=4 << 20, ranks_per_node=2)
@@ -110,7 +115,8 @@ def _body() -> None:
                                f"{name} M={M} {algo}: {field} differs from the peer path")
                 a, b = distnorm.shard_rows(M, nccl)
                 shards = {}
-                for label, ws in (("nccl", nccl), ("kernel", peer)):  # peer: reducescatter kernel
+                # peer: the reducescatter kernel; small: the same in chunks at M = 2000
+                for label, ws in (("nccl", nccl), ("kernel", peer), ("chunks", small)):
                     shards[label] = distnorm.reduce_scatter_add_rmsnorm(
                         x, res[a:b], w, 1e-6, workspace=ws, norm_out=True, **kw)
                     full = distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, 1e-6, workspace=ws,
@@ -126,10 +132,13 @@ def _body() -> None:
                         if quant != "fp8":
                             expect(torch.equal(_bytes(full.scales), _bytes(want.scales)),
                                    tag + " gathered scales")
-                for field in ("scales",):  # the shard's own layout (swizzled for its rows)
-                    sa, sb = getattr(shards["nccl"], field), getattr(shards["kernel"], field)
+                for label in ("kernel", "chunks"):  # the shard's own layout (swizzled: its rows)
+                    sa, sb = shards["nccl"].scales, shards[label].scales
                     expect((sa is None) == (sb is None) and (sa is None or torch.equal(
-                        _bytes(sa), _bytes(sb))), f"{name} M={M}: shard scales differ")
+                        _bytes(sa), _bytes(sb))), f"{name} M={M}: {label} shard scales differ")
+                if M == 2000:  # the small workspace did chunk (not torch.distributed)
+                    per_launch = _kernel_chunk(small, x, formats.make_quant_spec(quant, **opts))
+                    expect(0 < per_launch < b - a, f"{name}: {per_launch} rows per launch")
         torch.cuda.synchronize()
         expect.raise_any()
 
@@ -184,7 +193,7 @@ def _body() -> None:
         if dist.get_backend() == "nccl":  # gather=True gathers by torch.distributed: gloo (ranks
             gathered_check(boot, graphs)  # sharing a GPU) cannot be captured
     finally:
-        for ws in (peer, nccl, chain):
+        for ws in (peer, nccl, chain, small):
             if ws is not None:
                 ws.close()
 

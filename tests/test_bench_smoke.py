@@ -44,7 +44,7 @@ def _fallback_smoke() -> None:
             distnorm.Workspace(backend="none", device="cpu", buffer_bytes=4096) as nccl:
         outs = {name: fn() for name, fn in bench_fallback._callables(x, res, w, peer, nccl,
                                                                      None).items()}
-    assert set(outs) == set(bench_fallback.PATHS)
+    assert set(outs) == set(bench_fallback.PATHS + bench_fallback.PARTS)
     for name in ("peer", "nopeer", "gather", "split", "allgather"):
         if name != "allgather":  # it runs the kernel on h: no residual output
             assert torch.equal(outs[name].residual, outs["split"].residual), name

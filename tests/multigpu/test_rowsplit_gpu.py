@@ -219,7 +219,7 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
         from allreduce_cases import launched_key
         return list(dict.fromkeys(
             launched_key(world, "auto", M, H, formats.make_quant_spec(quant, **opts), True, True,
-                         False, bf16, 64 << 20)
+                         False, bf16, SEQPAR_BUFFER)
             for quant, opts in QUANTS.values() for M in SEQPAR_ROWS if M > 0))
     if test != "test_nccl_path_bitwise_the_peer_kernels":
         return []
@@ -251,6 +251,7 @@ def test_nccl_path_bitwise_the_peer_kernels():
 
 
 SEQPAR_ROWS = (0, 1, 3, 127, 128, 129, 4099)  # uneven shards, 128-row scale tiles crossed
+SEQPAR_BUFFER = 128 << 20  # the peer workspace of _body_seqpar_rows
 
 
 def _body_seqpar_rows() -> None:
@@ -263,14 +264,17 @@ def _body_seqpar_rows() -> None:
     import dataclasses
 
     import distnorm
+    from distnorm import formats
+    from distnorm.collectives.seqpar import _kernel_chunk
     from distnorm.collectives.state import state_of
     from distnorm.comm import resolve_bootstrap
     from quant_check import quant_kwargs
 
     boot = resolve_bootstrap(None)
-    # 64 MiB: the reduce-scatter kernel holds all 4099 rows (32 MiB would send M = 4099 to
-    # torch.distributed, with a warning, and leave the kernel untested there)
-    peer = distnorm.Workspace(buffer_bytes=64 << 20)
+    # 128 MiB: one reduce-scatter launch holds all 4099 rows (since the buffer halves, 64 MiB
+    # sends the odd M = 4099 to torch.distributed, with a warning, and leaves the kernel untested
+    # there: checked below)
+    peer = distnorm.Workspace(buffer_bytes=SEQPAR_BUFFER)
     nccl = distnorm.Workspace(backend="none", buffer_bytes=32 << 20)
 
     def check():
@@ -288,6 +292,10 @@ def _body_seqpar_rows() -> None:
                 want = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=peer,
                                                       norm_out=True, **kw)
                 a, b = distnorm.shard_rows(M, peer)
+                if M > 0:  # the kernel path, in one launch (NOTE [reduce-scatter chunks])
+                    spec = formats.make_quant_spec(quant, **opts)
+                    expect(_kernel_chunk(peer, x, spec) >= -(-M // peer.world_size),
+                           f"{name} M={M}: the reduce-scatter does not fit one launch")
                 for label, ws, gather_by in (("kernel", peer, "peers"),
                                              ("kernel, NCCL gather", peer, "nccl"),
                                              ("torch.distributed", nccl, "peers")):

@@ -110,27 +110,36 @@ class _FakeRows:
         return 2
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
-def test_reduce_scatter_chunk_rule(world):
-    """NOTE [reduce-scatter chunks]: one launch when the call fits; chunks of the shard (whole
-    128-row tiles for swizzled scales) when it does not and M splits evenly; else 0
-    (torch.distributed)."""
+def _fake_workspace(**kw):
+    """What _kernel_chunk reads of a workspace, with its per-workspace op state."""
     from types import SimpleNamespace
 
+    states: dict = {}
+    return SimpleNamespace(op_state=lambda name, cls: states.setdefault(name, cls()), **kw)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_reduce_scatter_chunk_rule(world, caplog):
+    """NOTE [reduce-scatter chunks]: one launch when the call fits; chunks of the shard (whole
+    128-row tiles for swizzled scales) when it does not and M splits evenly; else 0
+    (torch.distributed, logged once per workspace)."""
     from distnorm import formats
     from distnorm.collectives.plan import max_chunk_rows
     from distnorm.collectives.seqpar import _kernel_chunk
 
     H, buf = 4096, 16 << 20
-    ws = SimpleNamespace(p2p_ok=True, world_size=world, buffer_bytes=buf)
+    ws = _fake_workspace(p2p_ok=True, world_size=world, buffer_bytes=buf)
     cap = max_chunk_rows("reducescatter", world, 1, H, 2, buf, False, False)
     nvfp4 = formats.make_quant_spec("nvfp4")
     assert _kernel_chunk(ws, _FakeRows(cap, H), None) == -(-cap // world)  # fits: the shard
     M = world * cap  # does not fit, splits evenly
     assert _kernel_chunk(ws, _FakeRows(M, H), None) == cap // world
     assert _kernel_chunk(ws, _FakeRows(M, H), nvfp4) == cap // world // 128 * 128
-    assert _kernel_chunk(ws, _FakeRows(M + 1, H), None) == 0  # uneven: torch.distributed
-    assert _kernel_chunk(SimpleNamespace(p2p_ok=False, world_size=world, buffer_bytes=buf),
+    with caplog.at_level("WARNING", logger="distnorm.collectives.seqpar"):
+        for _ in range(3):  # uneven: torch.distributed
+            assert _kernel_chunk(ws, _FakeRows(M + 1, H), None) == 0
+    assert sum("do not split evenly" in r.getMessage() for r in caplog.records) == 1
+    assert _kernel_chunk(_fake_workspace(p2p_ok=False, world_size=world, buffer_bytes=buf),
                          _FakeRows(M, H), None) == 0
 
 

@@ -235,9 +235,15 @@ def _kernel_chunk(ws: Workspace, x: Tensor, spec: Optional[QuantSpec]) -> int:
         per_rank = per_rank // SWIZZLE_ROWS * SWIZZLE_ROWS
     if M % world == 0 and per_rank >= 1:
         return per_rank
-    log.warning("distnorm.reduce_scatter_add_rmsnorm: %d x %d does not fit the workspace's "
-                "buffer of %d bytes in one launch, and its rows do not split evenly over %d "
-                "ranks (chunks need that); using torch.distributed", M, H, ws.buffer_bytes, world)
+    from distnorm.collectives.state import state_of
+
+    state = state_of(ws)
+    if not state.scatter_fallback_logged:  # once per workspace: a serving loop would repeat it
+        state.scatter_fallback_logged = True
+        log.warning("distnorm.reduce_scatter_add_rmsnorm: %d x %d does not fit the workspace's "
+                    "buffer of %d bytes in one launch, and its rows do not split evenly over %d "
+                    "ranks (chunks need that); using torch.distributed (logged once per "
+                    "workspace)", M, H, ws.buffer_bytes, world)
     return 0
 
 

@@ -42,6 +42,7 @@ class AllReduceState:
         self.lamport_ptrs: Optional[Tensor] = None
         self.halves_ptrs: Optional[Tensor] = None
         self.fallback_logged = False
+        self.scatter_fallback_logged = False  # a reduce-scatter too large for one launch, uneven M
         # passes through the host barriers (faults.host_barrier): the first-call one may be
         # skipped by a rank that failed, so reset() re-zeroes it; reset() counts its own
         self.first_call_barriers = 0

@@ -14,11 +14,11 @@ With peer mappings the reduce-scatter is one kernel (algorithm "reducescatter" o
 kernels/twoshot.py: the two-shot push, then the norm-quant epilogue of the own shard), launched
 per chunk when the call is larger than the buffer holds (NOTE [reduce-scatter chunks]); without
 them, or when a call that needs chunks has rows that do not split evenly, torch.distributed
-(all_to_all; the single-GPU kernel for the epilogue, the reference on CPU). Gathers (gather=True, all_gather,
-all_gather_scales) go through the peer mappings when the workspace has them (the row gather,
-kernels/rowgather.py: q, scales and y of a call in one launch per chunk of rows; Tuning.gather_by
-= "nccl" or DISTNORM_GATHER_BY=nccl chooses torch.distributed), else torch.distributed
-(all_gather). With gather=True on the kernel path the reduce-scatter kernel writes y and q straight
+(all_to_all; the single-GPU kernel for the epilogue, the reference on CPU). Gathers (gather=True,
+all_gather, all_gather_scales) go through the peer mappings when the workspace has them (the row
+gather, kernels/rowgather.py: q, scales and y of a call in one launch per chunk of rows;
+Tuning.gather_by = "nccl" or DISTNORM_GATHER_BY=nccl chooses torch.distributed), else
+torch.distributed (all_gather). With gather=True on the kernel path the reduce-scatter kernel writes y and q straight
 into its rows of the gathered tensors, gathered in place (no local copy).
 """
 from __future__ import annotations
@@ -274,7 +274,7 @@ def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scal
                         spec, scale, global_scale, gemma, eps)
     else:
         world, H = ws.world_size, x.shape[1]
-        blocks = x.view(world, local, H)  # chunks need M = world * local (_kernel_chunk)
+        blocks = x.unflatten(0, (world, local))  # chunks need M = world * local (_kernel_chunk)
         for a in range(0, local, chunk):
             b = min(local, a + chunk)
             _launch_scatter(ws, state, blocks[:, a:b].reshape(world * (b - a), H),

@@ -174,7 +174,8 @@ def test_reduce_scatter_chunks_take_each_shards_rows(monkeypatch, spec_name):
     monkeypatch.setattr(seqpar, "_launch_scatter", launch)
     monkeypatch.setattr(state, "state_of", lambda ws: None)
     ws = SimpleNamespace(world_size=world, rank=rank)
-    x = torch.randn(world * local, H).to(torch.bfloat16)
+    # rows with a stride past H (a slice of a wider buffer): the chunks' blocks are views of it
+    x = torch.randn(world * local, H + 16).to(torch.bfloat16)[:, :H]
     res = torch.randn(local, H).to(torch.bfloat16)
     args = (ws, x, res, None, 1e-6, spec, None, None, False, True, local, {})
     one = seqpar._shard_by_kernel(*args, local)

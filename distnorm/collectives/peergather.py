@@ -73,13 +73,13 @@ def gather_by_peers(ws, parts: Sequence[tuple[Tensor, Tensor]], M: int) -> bool:
         segs.append((src.data_ptr(), full.data_ptr()))
     from distnorm.kernels.compile_allreduce import compiled_rowgather
 
-    form = state.tuning.form("rowgather", M * sum(sizes))  # plan's NOTE [sized forms]
+    form = state.tuning.form("rowgather", M * sum(sizes), world)  # plan's NOTE [sized forms]
     kernel = compiled_rowgather(world, tuple(units), form)
     state.check_signal_pad(ws)
     raise_if_failed(ws)
     sms = torch.cuda.get_device_properties(ws.device).multi_processor_count
     units_per_slice = max(-(-chunk * rb // u) for rb, u in zip(sizes, units))  # of a chunk
-    ctas = max(1, min(state.tuning.ctas("rowgather", sms), -(-units_per_slice // THREADS)))
+    ctas = max(1, min(state.tuning.ctas("rowgather", sms, world), -(-units_per_slice // THREADS)))
     args = []
     for k in range(MAX_SEGMENTS):
         args += [*segs[k], sizes[k]] if k < len(segs) else [0, 0, 16]

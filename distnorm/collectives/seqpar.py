@@ -18,8 +18,8 @@ them, or when a call that needs chunks has rows that do not split evenly, torch.
 all_gather, all_gather_scales) go through the peer mappings when the workspace has them (the row
 gather, kernels/rowgather.py: q, scales and y of a call in one launch per chunk of rows;
 Tuning.gather_by = "nccl" or DISTNORM_GATHER_BY=nccl chooses torch.distributed), else
-torch.distributed (all_gather). With gather=True on the kernel path the reduce-scatter kernel writes y and q straight
-into its rows of the gathered tensors, gathered in place (no local copy).
+torch.distributed (all_gather). With gather=True on the kernel path the reduce-scatter kernel
+writes y and q straight into its rows of the gathered tensors, gathered in place (no local copy).
 """
 from __future__ import annotations
 
@@ -301,7 +301,8 @@ def _launch_scatter(ws: Workspace, state, x: Tensor, residual, residual_out, wei
     kernel(x, residual, residual_out, weight, y_out, q_out, scales_out,
            *kernel_scalars(format_scalar(spec), scale, global_scale), None,
            ws.buffer_ptrs, ws.signal_ptrs, ws.error_flag_device, ws.rank,
-           state.tuning.ctas("reducescatter", state.grid_cap(x.device, x.shape[1], kspec, 0)),
+           state.tuning.ctas("reducescatter", state.grid_cap(x.device, x.shape[1], kspec, 0),
+                             ws.world_size),
            float(eps), state.tuning.timeout_ns)
     after_launch(ws, x.device)
 

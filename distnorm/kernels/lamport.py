@@ -248,7 +248,13 @@ class LamportOneShot:
         self._describe_launch(own_pad, m)
         # NOTE [a failed rank arrives nowhere]: a launch that finds the device error word set
         # pushes neither its descriptor nor its rows, so the peers time out instead of summing
-        may_push = self._may_push(own_pad)
+        # Only CTAs with something to push load the word: every warp's load of the one word
+        # queues at its L2 line, and at one NVFP4 row the grid has a CTA per padding row
+        # (NOTE [padding CTAs]): the guard cost up to 0.5 us there on 2 x H200
+        # (benchmarks/results/faults_cost_h200_x2.md, table 3)
+        may_push = Int32(1)
+        if (first_group * Int32(t.rows_per_cta) < m) | checker:
+            may_push = self._may_push(own_pad)
         hdr_area = Int64(CALL_W_LAMPORT_HDR * 4) + Int64(k) * Int64(MAX_WORLD * DESCRIPTOR_WORDS * 4)
         if checker & (may_push != Int32(0)):
             for s in cutlass.range_constexpr(world):

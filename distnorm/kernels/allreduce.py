@@ -131,8 +131,10 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
             groups = (span + t.rows_per_cta - 1) // t.rows_per_cta
         blocks = groups
         if const_expr(self.algo == "lamport"):
-            if groups < max_ctas:  # a spare CTA checks the descriptors (NOTE [descriptor check])
-                blocks = groups + 1
+            if max_ctas > 1:  # a CTA of its own checks the descriptors (NOTE [descriptor check])
+                if blocks > max_ctas - 1:
+                    blocks = max_ctas - 1
+                blocks = blocks + 1
         if blocks > max_ctas:
             blocks = max_ctas
         if blocks < 1:

@@ -26,21 +26,20 @@ arrived in one read is final for this call (the area is refilled only two calls 
 [lamport clearing]), and my own slot (x) is read once. The words summed are the same either way.
 
 NOTE [descriptor check]
-Each launch's thread 0 of CTA 0 pushes its call descriptor (NOTE [call descriptor]) into header k
-of every peer before its rows; a reader compares its peers' descriptors with its own and records a
-mismatch in the call that has it. The checker is one thread. When the row groups leave room under
-the CTA cap, the launch has one spare CTA with no row (grid = groups + 1) whose thread 0 only
-waits for the descriptors (with the same timeout, peer -1 in the error), off every row's path.
-Otherwise it is the last thread of CTA 0's first row (thread 0 also arrives on the call state
-through an acq_rel atomic), which loads the headers in each pass of its row polls but never waits
-for them there: its row's sum and epilogue go on as soon as the row arrived, and any descriptor
-not seen by then is waited for after the outputs. Waiting for them inside the poll cost lamport
-+4.5..+9% at M = 1 on 2 x H200, about all of what fault handling added to it; the row thread's
-form is within +0.11 us of the tree before fault handling there
-(benchmarks/results/lamport_descriptor_ab_h200_x2.md), and the spare CTA took another 5-6% off
-one row at 4 ranks (FP8 1 x 4096 4.99 -> 4.75 us), ~1% at 8 rows, nothing measurable at 2 ranks
-(benchmarks/results/branches_ab_h200_x4.md, branches_ab_h200_x2.md). A mismatch still arrives in
-the failing call: the checker sees the descriptor in the pass where it lands.
+Each launch pushes its call descriptor (NOTE [call descriptor]) into header k of every peer; a
+reader compares its peers' descriptors with its own and records a mismatch in the call that has
+it. Both are thread 0 of the launch's last CTA, which takes no row when the grid has more than
+one CTA (grid = min(groups, cap - 1) + 1; the rows go to the others): it pushes the descriptor,
+does its share of the sentinel refill and waits for the peers' descriptors (with the same timeout,
+peer -1 in the error), off every row's path, and the row CTAs' code has no descriptor work at all.
+With a one-CTA grid (Tuning.max_ctas 1) that CTA's thread 0 does both: the push first, the wait
+after its rows. A mismatch
+still arrives in the failing call: the launch ends only after its checker saw every descriptor.
+History: waiting for the descriptors inside the row poll cost lamport +4.5..+9% at M = 1 on
+2 x H200 (benchmarks/results/lamport_descriptor_ab_h200_x2.md); looking at them from a row
+thread's poll while a spare CTA took the rest when the grid had room (the form before this one)
+still cost 1-5% at 1-2048 rows against no descriptor check
+(benchmarks/results/faults_cost_h200_x2.md, table 3).
 """
 from __future__ import annotations
 
@@ -76,9 +75,8 @@ class LamportOneShot:
 
     @cute.jit
     def _load_headers(self, rHdr, own_pad: Int64, rank: Int32, hdr_area: Int64):
-        """Issue the loads of the peers' descriptors in my header area into rHdr (peer s: words
-        s * DESCRIPTOR_WORDS ...): ahead of a poll pass's row loads, compared after them
-        (_headers_pending), so the pass waits for one load latency (NOTE [descriptor check])."""
+        """Load the peers' descriptors in my header area into rHdr (peer s: words
+        s * DESCRIPTOR_WORDS ...), for _headers_pending (NOTE [descriptor check])."""
         for s in cutlass.range_constexpr(self.world):
             if Int32(s) != rank:
                 w = ld_volatile_sys_v4_u32(own_pad + hdr_area + Int64(s * 16))
@@ -221,7 +219,6 @@ class LamportOneShot:
         rAll = cute.make_rmem_tensor(cute.make_layout(world * nv * 4), Int32)
         rAll.fill(0)
         rWait = cute.make_rmem_tensor(cute.make_layout(world), Int32)  # NOTE [lamport polls]
-        rHdr = cute.make_rmem_tensor(cute.make_layout(world * DESCRIPTOR_WORDS), Int32)
         rTw = self.core.zero_words()
         half = half_name(dtype)
 
@@ -239,14 +236,27 @@ class LamportOneShot:
         k = ld_volatile_sys_u32(area_addr)
         kw = k * Int32(world)
 
-        # NOTE [call descriptor]: thread 0 of CTA 0 pushes this launch's descriptor into header k
-        # of every other rank (the readers' CTA 0 compares it with its own)
+        # NOTE [descriptor check]: the last CTA is the checker's, with no row when the grid has
+        # more than one (row_ctas: the CTAs that take rows); its thread 0 pushes this launch's
+        # descriptor into header k of every other rank and compares theirs with its own
+        spare = Int32(nblk > 1)
+        row_ctas = nblk - spare
+        first_group = bidx
+        if bidx >= row_ctas:
+            first_group = groups  # the checker's CTA: no row group
+        checker = (tidx == 0) & (bidx == nblk - 1)
         self._describe_launch(own_pad, m)
         # NOTE [a failed rank arrives nowhere]: a launch that finds the device error word set
         # pushes neither its descriptor nor its rows, so the peers time out instead of summing
-        may_push = self._may_push(own_pad)
+        # Only CTAs with something to push load the word: every warp's load of the one word
+        # queues at its L2 line, and at one NVFP4 row the grid has a CTA per padding row
+        # (NOTE [padding CTAs]): the guard cost up to 0.5 us there on 2 x H200
+        # (benchmarks/results/faults_cost_h200_x2.md, table 3)
+        may_push = Int32(1)
+        if (first_group * Int32(t.rows_per_cta) < m) | checker:
+            may_push = self._may_push(own_pad)
         hdr_area = Int64(CALL_W_LAMPORT_HDR * 4) + Int64(k) * Int64(MAX_WORLD * DESCRIPTOR_WORDS * 4)
-        if (tidx == 0) & (bidx == 0) & (may_push != Int32(0)):
+        if checker & (may_push != Int32(0)):
             for s in cutlass.range_constexpr(world):
                 if Int32(s) != rank:
                     st_volatile_sys_v4_u32(mSig[s] + hdr_area + Int64(rank) * Int64(16), m,
@@ -256,7 +266,7 @@ class LamportOneShot:
         # phase 1: push my rows (sanitized, NOTE [lamport sentinel]) into area k, slot `rank`, of
         # every other rank with 128-bit volatile stores. My own slot is never written (it stays
         # sentinel): phase 2 takes my rows from x.
-        for g in range(bidx, groups, nblk):
+        for g in range(first_group, groups, row_ctas):
             row = g * t.rows_per_cta + row_in_cta
             if (row < m) & (may_push != Int32(0)):  # NOTE [push guard]
                 if g != bidx:  # the first row is already loaded
@@ -306,15 +316,8 @@ class LamportOneShot:
         base = mBuf[kw + rank]
         err_addr = mErr.iterator.toint()
         dev_err_addr = own_pad + Int64(DEVICE_ERROR_WORD * 4)
-        # NOTE [descriptor check]: thread 0 of the spare CTA (the last, with no row) when the
-        # grid has one, else the last thread of CTA 0's first row, which looks at the peers'
-        # descriptors while it polls that row, without waiting for them there (not thread 0, which
-        # also arrives on the call state); 1 while one is unseen
-        spare = Int32(nblk > groups)
-        checker = ((spare != 0) & (bidx == nblk - 1) & (tidx == 0)) | (
-            (spare == 0) & (bidx == 0) & (tidx == Int32(t.threads_per_row - 1)))
-        hdr_left = Int32(checker)
-        for g in range(bidx, groups, nblk):
+        hdr_left = Int32(checker)  # 1 while a peer's descriptor is unseen (_finish_headers)
+        for g in range(first_group, groups, row_ctas):
             row = g * t.rows_per_cta + row_in_cta
             row_valid = row < m
             rH.fill(0.0)
@@ -339,8 +342,6 @@ class LamportOneShot:
                 t0 = globaltimer_ns()
                 while pending != Int32(0):
                     pending = Int32(0)
-                    if hdr_left != Int32(0):
-                        self._load_headers(rHdr, own_pad, rank, hdr_area)
                     for s in cutlass.range_constexpr(world):
                         src = row_off + slot_bytes * Int64(s)
                         if const_expr(self.poll_unseen):
@@ -364,8 +365,6 @@ class LamportOneShot:
                             if pend_s != Int32(0):
                                 missing = Int32(s)
                             pending = pending | pend_s
-                    if hdr_left != Int32(0):
-                        hdr_left = self._headers_pending(rHdr, rank, m, err_addr, dev_err_addr)
                     if pending != Int32(0):
                         spins = spins + Int32(1)
                         if gave_up(spins, t0, timeout, err_addr, dev_err_addr, missing, k) \

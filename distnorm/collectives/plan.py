@@ -20,7 +20,7 @@ __all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "ALGORITHM_FORMS", "AUTO_FORM", "
            "NOPEER_FORMS", "REDUCESCATTER_FORMS", "ROWGATHER_FORMS", "TWOSHOT_FORMS",
            "settings_ranks_share", "check_shared_settings",
            "Tuning", "choose_algo", "lamport_capacity",
-           "max_chunk_rows", "plan_launch", "LAMPORT_CROSSOVER_BYTES", "LAMPORT_CROSSOVER_BYTES_PLAIN",
+           "max_chunk_rows", "plan_launch", "knob", "LAMPORT_CROSSOVER_BYTES", "LAMPORT_CROSSOVER_BYTES_PLAIN",
            "ONESHOT_CROSSOVER_BYTES"]
 
 SWIZZLE_ROWS = 128  # swizzled scales come in 128-row tiles: chunks after the first start at multiples
@@ -64,6 +64,7 @@ class Algorithm:
     rows: (world, row_bytes, part_bytes, gather_acc, swizzled) -> most rows one launch may take.
     ptr_tables: peer-pointer table entries per rank (lamport: one per area; two-shot: the buffer
       and its upper half, NOTE [push and gather halves]).
+    knob: whose Tuning knobs (form, rows per CTA, CTA cap) it takes ("" = its own name).
     """
 
     name: str
@@ -71,6 +72,7 @@ class Algorithm:
     lamport_part: bool
     rows: Callable[[int, int, int, bool, bool], int]
     ptr_tables: int = 1
+    knob: str = ""
 
 
 ALGORITHMS = {
@@ -80,11 +82,21 @@ ALGORITHMS = {
     "twoshot": Algorithm("twoshot", REGION_TWOSHOT, False, _twoshot_rows, 2),
     # the sequence-parallel op's kernel (collectives/seqpar.py), not an all-reduce algorithm
     "reducescatter": Algorithm("reducescatter", REGION_REDUCESCATTER, False, _scatter_rows),
+    # the same with the quantized rows gathered in its epilogue (NOTE [gather in the epilogue] in
+    # kernels/twoshot.py): every rank's q areas in the upper half, hence two tables
+    "rsgather": Algorithm("rsgather", REGION_REDUCESCATTER, False, _scatter_rows, 2,
+                          "reducescatter"),
     # the sequence-parallel gathers through the peers (kernels/rowgather.py; row bytes: all its
     # segments' together)
     "rowgather": Algorithm("rowgather", REGION_ROWGATHER, False, _scatter_rows),
 }
 ALGOS = ("auto", "lamport", "oneshot", "twoshot")  # what allreduce ops take as `algo`
+
+
+def knob(algo: str) -> str:
+    """The algorithm whose Tuning knobs and forms `algo` takes (Algorithm.knob)."""
+    alg = ALGORITHMS.get(algo)
+    return alg.knob or alg.name if alg is not None else algo
 
 # Crossovers in bytes per rank (M * H * element size), by world size.
 # World 2: measured on 2 x H200 (NV18), benchmarks/results/allreduce_fusion_h200_x2.md, command
@@ -185,9 +197,11 @@ AUTO_FORM = "auto"
 TUNING_FORMS = {algo: ((AUTO_FORM,) + forms if algo in SIZED_FORMS else forms)
                 for algo, forms in ALGORITHM_FORMS.items()}
 # Who gathers the sequence-parallel ops' rows when the workspace has peer mappings (Tuning.gather_by),
-# the default first: the peers beat NCCL's all_gather at every size measured on 2 x H200 (FP8 at
-# 512 x 8192 35.4 vs 46.5 us, 16384 x 8192 796 vs 806: benchmarks/results/seqpar_h200_x2.md)
-GATHER_BY = ("peers", "nccl")
+# the default first: "epilogue" (q pushed from the reduce-scatter's epilogue, NOTE [gather in the
+# epilogue] in kernels/twoshot.py, the rest as "peers"; NOT yet measured against "peers"), "peers"
+# (the row gather kernel), "nccl". The peers beat NCCL's all_gather at every size measured on 2 x
+# H200 (FP8 at 512 x 8192 35.4 vs 46.5 us, 16384 x 8192 796 vs 806: seqpar_h200_x2.md)
+GATHER_BY = ("epilogue", "peers", "nccl")
 # DISTNORM_NOPEER_FORM (collectives/nopeer.py, NOTE [no-peer forms]): "auto" (by byte count, the
 # default) or a forced form
 NOPEER_FORMS = ("auto", "gather", "split")
@@ -215,8 +229,10 @@ class Tuning:
     host_timeout_s: how long a host-side wait for the group (the first lamport call's preparation,
       reset) lasts before it raises: long, because ranks reach their first call at different times
       (model loading, compilation).
-    gather_by: how the sequence-parallel ops gather rows with peer mappings: "peers" (the row
-      gather kernel, kernels/rowgather.py) or "nccl" (torch.distributed all_gather); same bytes.
+    gather_by: how the sequence-parallel ops gather rows with peer mappings: "epilogue" (q from
+      the reduce-scatter kernel's epilogue when it fits, NOTE [gather in the epilogue]; the rest as
+      "peers"), "peers" (the row gather kernel, kernels/rowgather.py) or "nccl" (torch.distributed
+      all_gather); same bytes.
     """
 
     pdl: bool = True
@@ -244,6 +260,7 @@ class Tuning:
     def ctas(self, algo: str, co_resident: int, world: int = 0) -> int:
         """CTAs of one `algo` launch on `world` ranks: at most `co_resident`, at most
         max_ctas[algo] when set, else at most the world's cap (NOTE [world CTA caps])."""
+        algo = knob(algo)
         if algo in self.max_ctas:
             cap = self.max_ctas[algo]
         else:
@@ -253,6 +270,7 @@ class Tuning:
     def form(self, algo: str, nbytes: int = 0, world: int = 2) -> str:
         """The form of `algo`'s kernel (ALGORITHM_FORMS) for a launch of `nbytes` on `world` ranks
         (NOTE [sized forms]: what "auto" goes by); "" for an algorithm with one form."""
+        algo = knob(algo)
         if algo not in ALGORITHM_FORMS:
             return ""
         form = getattr(self, f"{algo}_form")

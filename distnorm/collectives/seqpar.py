@@ -261,9 +261,10 @@ def _kernel_chunk(ws: Workspace, x: Tensor, spec: Optional[QuantSpec]) -> int:
 
 def _q_in_epilogue(ws: Workspace, spec: QuantSpec, M: int, H: int) -> bool:
     """Whether the reduce-scatter kernel gathers q itself (NOTE [gather in the epilogue] in
-    kernels/twoshot.py): Tuning.gather_by "epilogue", q rows of whole 16-byte units, and every
-    rank's q rows ([N][S] rows) in the upper half of the buffer's general part. Every rank
-    computes it from the same call and workspace, so they agree."""
+    kernels/twoshot.py): Tuning.gather_by "epilogue", q rows of whole 16-byte units, every rank's
+    q rows ([N][S] rows) in the upper half of the buffer's general part, and no empty shard (the
+    kernel finds the full q through its shard's view, and torch gives an empty view address 0).
+    Every rank computes it from the same call and workspace, so they agree."""
     from distnorm.collectives.layout import lamport_split, push_half
     from distnorm.collectives.state import state_of
 
@@ -272,7 +273,9 @@ def _q_in_epilogue(ws: Workspace, spec: QuantSpec, M: int, H: int) -> bool:
     q_row_bytes = q_shape(spec, 1, H)[1]  # one byte per element or per two (packed fp4)
     general = lamport_split(ws.buffer_bytes)[0]
     upper = general - push_half(general)
-    return q_row_bytes % 16 == 0 and ws.world_size * -(-M // ws.world_size) * q_row_bytes <= upper
+    S = -(-M // ws.world_size)
+    return (q_row_bytes % 16 == 0 and ws.world_size * S * q_row_bytes <= upper
+            and M - (ws.world_size - 1) * S > 0)
 
 
 def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scale, global_scale,

@@ -10,7 +10,8 @@ test_barrier_protocol.py); a rank's next call starts once all its CTAs finished 
 (stream order). Every written row carries its call's index, and a read must find the index of
 its own call. With the halves and two barriers the model finds no bad read; with the layout
 before them (gather rows right after the scatter slots) it finds one unless two-shot keeps its
-third barrier -- which is why that barrier existed.
+third barrier -- which is why that barrier existed. The reduce-scatter that gathers q in its
+epilogue (NOTE [gather in the epilogue] in kernels/twoshot.py) is modelled the same way.
 """
 from __future__ import annotations
 
@@ -65,13 +66,37 @@ def _oneshot_steps(world: int, rank: int, m: int) -> list:
     return steps
 
 
+def _rsgather_steps(world: int, rank: int, S: int, early: bool = False) -> list:
+    """The reduce-scatter that gathers q in its epilogue (NOTE [gather in the epilogue]): my rows
+    of shard t into slot `rank` of rank t (lower half), barrier, my shard's slots read, my q rows
+    into every peer's q area (upper half, row rank * S + i), final barrier, the other shards' q
+    rows read from my own q area. early: the q pushes before the first barrier (a wrong order,
+    to show the model can fail)."""
+    peers = [t for t in range(world) if t != rank]
+    q_pushes = [("write", t, [("U", rank * S + i, i) for i in range(S)]) for t in peers]
+    steps = [("write", t, [("L", rank * S + i, i) for i in range(S)]) for t in peers]
+    if early:
+        steps += q_pushes
+    steps.append(("barrier",))
+    steps.append(("read", rank, [("L", s * S + i, i) for s in peers for i in range(S)]))
+    if not early:
+        steps += q_pushes
+    steps.append(("barrier",))
+    steps.append(("read", rank, [("U", s * S + i, i) for s in peers for i in range(S)]))
+    return steps
+
+
 def _program(world: int, ctas: int, calls: list, rank: int, halves: bool,
              final_barrier: bool) -> list:
     """Per call, per CTA: its steps (a row's cells go to CTA row % ctas; barriers to every CTA)."""
     prog = []
     for algo, size, form in calls:
-        steps = (_oneshot_steps(world, rank, size) if algo == "oneshot"
-                 else _twoshot_steps(world, rank, size, form, halves, final_barrier))
+        if algo == "oneshot":
+            steps = _oneshot_steps(world, rank, size)
+        elif algo == "rsgather":
+            steps = _rsgather_steps(world, rank, size, early=form == "early")
+        else:
+            steps = _twoshot_steps(world, rank, size, form, halves, final_barrier)
         per_cta = []
         for b in range(ctas):
             mine = []
@@ -181,3 +206,31 @@ def test_old_layout_needed_the_third_barrier(name):
                for shape in SHAPES)
     assert any(_bad_reads(shape, calls, halves=False, final_barrier=False) != set()
                for shape in SHAPES)
+
+
+# the reduce-scatter with its epilogue gather (its q areas in the upper half, like two-shot's
+# gather rows) before and after every other algorithm, of growing sizes
+RSGATHER_SEQUENCES = {
+    "rsgather-rsgather": [("rsgather", 1, None), ("rsgather", 2, None)],
+    "rsgather-oneshot": [("rsgather", 1, None), ("oneshot", 2, None)],
+    "rsgather-push": [("rsgather", 1, None), ("twoshot", 2, "push")],
+    "rsgather-pull": [("rsgather", 1, None), ("twoshot", 2, "pull")],
+    "push-rsgather": [("twoshot", 1, "push"), ("rsgather", 2, None)],
+    "pull-rsgather": [("twoshot", 1, "pull"), ("rsgather", 2, None)],
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}ranks{s[1]}ctas")
+@pytest.mark.parametrize("name", RSGATHER_SEQUENCES)
+def test_epilogue_gather_reads_only_its_own_call(name, shape):
+    """NOTE [gather in the epilogue]: its q pushes (after the first barrier, into the upper half)
+    and its copy-out after the final barrier meet no other call's rows, before or after any
+    algorithm."""
+    assert _bad_reads(shape, RSGATHER_SEQUENCES[name], halves=True, final_barrier=False) == set()
+
+
+def test_epilogue_gather_model_can_fail():
+    """With the q pushes before the first barrier the model finds the overwrite: a peer's next
+    call lands on q rows a slower rank still copies out."""
+    calls = [("rsgather", 1, "early"), ("rsgather", 2, "early")]
+    assert any(_bad_reads(shape, calls, halves=True, final_barrier=False) for shape in SHAPES)

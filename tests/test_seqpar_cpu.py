@@ -188,3 +188,40 @@ def test_reduce_scatter_chunks_take_each_shards_rows(monkeypatch, spec_name):
     if spec is not None and spec.block_scaled and spec.swizzled:  # chunk k's tiles say k
         tiles = chunked.scales.view(torch.uint8).reshape(3, -1)  # 300 rows: 3 tiles of 128
         assert [int(t[0]) for t in tiles] == [2, 3, 4], "swizzled scale tiles per launch"
+
+
+def test_q_gathered_in_the_epilogue_only_where_it_fits():
+    """NOTE [gather in the epilogue]: the reduce-scatter gathers q itself when Tuning.gather_by is
+    "epilogue", q rows are whole 16-byte units, every rank's q rows fit the upper half of the
+    buffer's general part and no shard is empty; the rule reads only the call and the workspace."""
+    import dataclasses
+    import types
+
+    from distnorm.collectives.layout import lamport_split, push_half
+    from distnorm.collectives.seqpar import _q_in_epilogue
+    from distnorm.collectives.state import AllReduceState
+    from distnorm.formats import make_quant_spec
+
+    class FakeWorkspace(types.SimpleNamespace):
+        def op_state(self, name, make):
+            return self.states.setdefault(name, make())
+
+    for world in (2, 4, 8):
+        for buffer_bytes in (1 << 20, 64 << 20):
+            ws = FakeWorkspace(world_size=world, buffer_bytes=buffer_bytes,
+                               states={"allreduce": AllReduceState()})
+            general = lamport_split(buffer_bytes)[0]
+            upper = general - push_half(general)
+            for quant, H, q_row in (("fp8", 4096, 4096), ("nvfp4", 7168, 3584),
+                                    ("fp8_per_token", 2888, 2888)):
+                spec = make_quant_spec(quant)
+                for M in (1, 3, world - 1, world, 127, 4099, 16384):
+                    S = -(-M // world)
+                    want = (q_row % 16 == 0 and world * S * q_row <= upper
+                            and M - (world - 1) * S > 0)
+                    assert _q_in_epilogue(ws, spec, M, H) == want, (world, buffer_bytes, quant, M)
+                    if M == 4099 and q_row % 16 == 0 and buffer_bytes == 64 << 20:
+                        assert want  # the common case takes it
+            state = ws.states["allreduce"]
+            state.tuning = dataclasses.replace(state.tuning, gather_by="peers")
+            assert not _q_in_epilogue(ws, make_quant_spec("fp8"), 4099, 4096)

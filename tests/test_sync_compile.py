@@ -96,6 +96,11 @@ def test_algorithm_form_tuning(monkeypatch):
             assert auto.form(algo, threshold, world) == forms[1] == auto.form(algo, 1 << 40)
     assert SIZED_FORMS["reducescatter"][0][1][0] == 32 << 20
     assert SIZED_FORMS["rowgather"][0][1][0] == 8 << 20
+    # the epilogue-gathering reduce-scatter: its own ladder (serial at every size), the
+    # reduce-scatter's knob when forced
+    for world in (2, 4, 8):
+        assert auto.form("rsgather", 0, world) == auto.form("rsgather", 1 << 40, world) == "serial"
+    assert Tuning(reducescatter_form="pipelined").form("rsgather", 0) == "pipelined"
     # two-shot by world size: push at 2 ranks; pull from 512 KiB to below 32 MiB at 4 and 8 (3: the
     # next larger entry, 4; 16: the largest, 8), push outside it
     for nbytes in (0, 1 << 20, (32 << 20) - 1, 32 << 20, 1 << 40):

@@ -52,7 +52,7 @@ def gather_by_peers(ws, parts: Sequence[tuple[Tensor, Tensor]], M: int) -> bool:
     if not parts or len(parts) > MAX_SEGMENTS or not ws.p2p_ok:
         return False
     state = state_of(ws)
-    if state.tuning.gather_by != "peers" or not all(s.is_cuda and f.is_cuda for s, f in parts):
+    if state.tuning.gather_by == "nccl" or not all(s.is_cuda and f.is_cuda for s, f in parts):
         return False
     sizes = [math.prod(f.shape[1:]) * f.element_size() for _, f in parts]
     units = [copy_unit(rb) for rb in sizes]

@@ -20,7 +20,7 @@ __all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "ALGORITHM_FORMS", "AUTO_FORM", "
            "NOPEER_FORMS", "REDUCESCATTER_FORMS", "ROWGATHER_FORMS", "TWOSHOT_FORMS",
            "settings_ranks_share", "check_shared_settings",
            "Tuning", "choose_algo", "lamport_capacity",
-           "max_chunk_rows", "plan_launch", "LAMPORT_CROSSOVER_BYTES", "LAMPORT_CROSSOVER_BYTES_PLAIN",
+           "max_chunk_rows", "plan_launch", "knob", "LAMPORT_CROSSOVER_BYTES", "LAMPORT_CROSSOVER_BYTES_PLAIN",
            "ONESHOT_CROSSOVER_BYTES"]
 
 SWIZZLE_ROWS = 128  # swizzled scales come in 128-row tiles: chunks after the first start at multiples
@@ -64,6 +64,7 @@ class Algorithm:
     rows: (world, row_bytes, part_bytes, gather_acc, swizzled) -> most rows one launch may take.
     ptr_tables: peer-pointer table entries per rank (lamport: one per area; two-shot: the buffer
       and its upper half, NOTE [push and gather halves]).
+    knob: whose Tuning knobs (form, rows per CTA, CTA cap) it takes ("" = its own name).
     """
 
     name: str
@@ -71,6 +72,7 @@ class Algorithm:
     lamport_part: bool
     rows: Callable[[int, int, int, bool, bool], int]
     ptr_tables: int = 1
+    knob: str = ""
 
 
 ALGORITHMS = {
@@ -80,11 +82,21 @@ ALGORITHMS = {
     "twoshot": Algorithm("twoshot", REGION_TWOSHOT, False, _twoshot_rows, 2),
     # the sequence-parallel op's kernel (collectives/seqpar.py), not an all-reduce algorithm
     "reducescatter": Algorithm("reducescatter", REGION_REDUCESCATTER, False, _scatter_rows),
+    # the same with the quantized rows gathered in its epilogue (NOTE [gather in the epilogue] in
+    # kernels/twoshot.py): every rank's q areas in the upper half, hence two tables
+    "rsgather": Algorithm("rsgather", REGION_REDUCESCATTER, False, _scatter_rows, 2,
+                          "reducescatter"),
     # the sequence-parallel gathers through the peers (kernels/rowgather.py; row bytes: all its
     # segments' together)
     "rowgather": Algorithm("rowgather", REGION_ROWGATHER, False, _scatter_rows),
 }
 ALGOS = ("auto", "lamport", "oneshot", "twoshot")  # what allreduce ops take as `algo`
+
+
+def knob(algo: str) -> str:
+    """The algorithm whose Tuning knobs and forms `algo` takes (Algorithm.knob)."""
+    alg = ALGORITHMS.get(algo)
+    return alg.knob or alg.name if alg is not None else algo
 
 # Crossovers in bytes per rank (M * H * element size), by world size.
 # World 2: measured on 2 x H200 (NV18), benchmarks/results/allreduce_fusion_h200_x2.md, command
@@ -158,8 +170,14 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
 # (1 x 4096 FP8 11.5 vs 12.2 pulled, 8 x 8192 14.2 vs 14.6) and from 32 MiB (8192 x 8192 653.5 vs
 # 680.1). Auto runs lamport below 1 MiB, so the lower rung matters to forced two-shot calls. World
 # 8: NOT measured, world 4's rule.
+#
+# The reduce-scatter that gathers q in its epilogue ("rsgather", NOTE [gather in the epilogue]) has
+# its own ladder: "serial" at every size, as its q pushes follow each epilogue and the pipelined
+# rounds' barriers only add waits (2 x H200, gathered FP8 x 8192: 2048 rows 85.4 us serial vs 90.6
+# pipelined, 16384 rows 646.5 vs 653.5; benchmarks/results/seqpar_rsgather_h200_x2.md).
 _TWOSHOT_WIDE = ((0, "push"), (512 << 10, "pull"), (32 << 20, "push"))
 SIZED_FORMS = {"reducescatter": {0: ((0, "serial"), (32 << 20, "pipelined"))},
+               "rsgather": {0: ((0, "serial"),)},
                "rowgather": {0: ((0, "unit"), (8 << 20, "batched"))},
                "twoshot": {2: ((0, "push"),), 4: _TWOSHOT_WIDE, 8: _TWOSHOT_WIDE}}
 
@@ -185,9 +203,11 @@ AUTO_FORM = "auto"
 TUNING_FORMS = {algo: ((AUTO_FORM,) + forms if algo in SIZED_FORMS else forms)
                 for algo, forms in ALGORITHM_FORMS.items()}
 # Who gathers the sequence-parallel ops' rows when the workspace has peer mappings (Tuning.gather_by),
-# the default first: the peers beat NCCL's all_gather at every size measured on 2 x H200 (FP8 at
-# 512 x 8192 35.4 vs 46.5 us, 16384 x 8192 796 vs 806: benchmarks/results/seqpar_h200_x2.md)
-GATHER_BY = ("peers", "nccl")
+# the default first: "epilogue" (q pushed from the reduce-scatter's epilogue, NOTE [gather in the
+# epilogue] in kernels/twoshot.py, the rest as "peers"; NOT yet measured against "peers"), "peers"
+# (the row gather kernel), "nccl". The peers beat NCCL's all_gather at every size measured on 2 x
+# H200 (FP8 at 512 x 8192 35.4 vs 46.5 us, 16384 x 8192 796 vs 806: seqpar_h200_x2.md)
+GATHER_BY = ("epilogue", "peers", "nccl")
 # DISTNORM_NOPEER_FORM (collectives/nopeer.py, NOTE [no-peer forms]): "auto" (by byte count, the
 # default) or a forced form
 NOPEER_FORMS = ("auto", "gather", "split")
@@ -215,8 +235,10 @@ class Tuning:
     host_timeout_s: how long a host-side wait for the group (the first lamport call's preparation,
       reset) lasts before it raises: long, because ranks reach their first call at different times
       (model loading, compilation).
-    gather_by: how the sequence-parallel ops gather rows with peer mappings: "peers" (the row
-      gather kernel, kernels/rowgather.py) or "nccl" (torch.distributed all_gather); same bytes.
+    gather_by: how the sequence-parallel ops gather rows with peer mappings: "epilogue" (q from
+      the reduce-scatter kernel's epilogue when it fits, NOTE [gather in the epilogue]; the rest as
+      "peers"), "peers" (the row gather kernel, kernels/rowgather.py) or "nccl" (torch.distributed
+      all_gather); same bytes.
     """
 
     pdl: bool = True
@@ -244,6 +266,7 @@ class Tuning:
     def ctas(self, algo: str, co_resident: int, world: int = 0) -> int:
         """CTAs of one `algo` launch on `world` ranks: at most `co_resident`, at most
         max_ctas[algo] when set, else at most the world's cap (NOTE [world CTA caps])."""
+        algo = knob(algo)
         if algo in self.max_ctas:
             cap = self.max_ctas[algo]
         else:
@@ -253,10 +276,12 @@ class Tuning:
     def form(self, algo: str, nbytes: int = 0, world: int = 2) -> str:
         """The form of `algo`'s kernel (ALGORITHM_FORMS) for a launch of `nbytes` on `world` ranks
         (NOTE [sized forms]: what "auto" goes by); "" for an algorithm with one form."""
+        ladder = algo if algo in SIZED_FORMS else knob(algo)  # its own ladder, else its knob's
+        algo = knob(algo)
         if algo not in ALGORITHM_FORMS:
             return ""
         form = getattr(self, f"{algo}_form")
-        return sized_form(algo, nbytes, world) if form == AUTO_FORM else form
+        return sized_form(ladder, nbytes, world) if form == AUTO_FORM else form
 
     @property
     def timeout_ns(self) -> int:

@@ -127,6 +127,7 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
     has_scales = spec is not None and scales_geometry(spec, M, H) is not None
     full = {}  # gather=True on the kernel path: y / q written into the gathered tensors' rows
     S = -(-M // world)
+    q_gathered = False  # q gathered by the reduce-scatter kernel (NOTE [gather in the epilogue])
     chunk = _kernel_chunk(workspace, x2, spec)
     if chunk:
         if gather:
@@ -135,9 +136,13 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
             if spec is not None:
                 full["q"] = torch.empty(q_shape(spec, world * S, H), dtype=q_dtype(spec),
                                         device=x2.device)
+                # one launch only: the kernel finds the gathered q from its shard's view at
+                # rank * S rows, and a chunk's view sits at rank * S + its offset
+                q_gathered = chunk >= S and _q_in_epilogue(workspace, spec, M, H)
         out = _shard_by_kernel(workspace, x2, residual, weight, eps, spec, scale, global_scale,
                                gemma, want_y, local,
-                               {k: t[rank * S:rank * S + local] for k, t in full.items()}, chunk)
+                               {k: t[rank * S:rank * S + local] for k, t in full.items()}, chunk,
+                               "rsgather" if q_gathered else "reducescatter")
         linear = scales_to_linear(out.scales, spec, local, H) if has_scales and gather else None
     else:
         out = slice_epilogue(reduce_rows(x2, group), x2.dtype, residual, weight, eps, spec, scale,
@@ -147,8 +152,10 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
             out = out._replace(scales=_in_layout(linear, spec, local, H))
     if not gather:
         return out._replace(scales=out.scales if spec is not None else None)
-    shards = {"q": out.q, "scales": linear, "y": out.y}
+    shards = {"q": None if q_gathered else out.q, "scales": linear, "y": out.y}
     got = _gather(workspace, {k: t for k, t in shards.items() if t is not None}, full, M)
+    if q_gathered:
+        got["q"] = full["q"][:M]
     s = _in_layout(got["scales"], spec, M, H) if has_scales else out.scales
     return NormQuantOutput(out.residual, got.get("y"), got.get("q"),
                            s if spec is not None else None, None)
@@ -258,11 +265,32 @@ def _kernel_chunk(ws: Workspace, x: Tensor, spec: Optional[QuantSpec]) -> int:
 # parallelism pads tokens to); other M that do not fit take torch.distributed.
 
 
+def _q_in_epilogue(ws: Workspace, spec: QuantSpec, M: int, H: int) -> bool:
+    """Whether the reduce-scatter kernel gathers q itself (NOTE [gather in the epilogue] in
+    kernels/twoshot.py): Tuning.gather_by "epilogue", q rows of whole 16-byte units, every rank's
+    q rows ([N][S] rows) in the upper half of the buffer's general part, and no empty shard (the
+    kernel finds the full q through its shard's view, and torch gives an empty view address 0).
+    Every rank computes it from the same call and workspace, so they agree."""
+    from distnorm.collectives.layout import lamport_split, push_half
+    from distnorm.collectives.state import state_of
+
+    if state_of(ws).tuning.gather_by != "epilogue":
+        return False
+    q_row_bytes = q_shape(spec, 1, H)[1]  # one byte per element or per two (packed fp4)
+    general = lamport_split(ws.buffer_bytes)[0]
+    upper = general - push_half(general)
+    S = -(-M // ws.world_size)
+    return (q_row_bytes % 16 == 0 and ws.world_size * S * q_row_bytes <= upper
+            and M - (ws.world_size - 1) * S > 0)
+
+
 def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scale, global_scale,
-                     gemma, want_y, local, given: dict, chunk: int) -> NormQuantOutput:
+                     gemma, want_y, local, given: dict, chunk: int,
+                     algo: str = "reducescatter") -> NormQuantOutput:
     """The reduce-scatter kernel: shard outputs, scales in spec's layout for the shard's rows;
     given: "y" / "q" outputs to write (the shard's rows of the gathered tensors); chunk: shard rows
-    per launch (NOTE [reduce-scatter chunks])."""
+    per launch (NOTE [reduce-scatter chunks]); algo "rsgather" (one launch) also fills the rest of
+    q's gathered tensor (given["q"] is a view of it)."""
     from distnorm.collectives.dispatch import _rows, _scale_rows
     from distnorm.collectives.state import state_of
 
@@ -271,7 +299,7 @@ def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scal
         x[:local], spec, residual is not None, want_y, None, given.get("y"), given.get("q"), None)
     if chunk >= local:
         _launch_scatter(ws, state, x, residual, residual_out, weight, y_out, q_out, scales_out,
-                        spec, scale, global_scale, gemma, eps)
+                        spec, scale, global_scale, gemma, eps, algo)
     else:
         world, H = ws.world_size, x.shape[1]
         blocks = x.unflatten(0, (world, local))  # chunks need M = world * local (_kernel_chunk)
@@ -287,23 +315,24 @@ def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scal
 
 
 def _launch_scatter(ws: Workspace, state, x: Tensor, residual, residual_out, weight, y_out, q_out,
-                    scales_out, spec, scale, global_scale, gemma, eps) -> None:
+                    scales_out, spec, scale, global_scale, gemma, eps,
+                    algo: str = "reducescatter") -> None:
     """One reduce-scatter launch over x [world * rows, H]: this rank's rows into the outputs."""
     from distnorm.collectives.dispatch import allreduce_kernel_key
     from distnorm.kernels.compile_allreduce import compiled_allreduce
 
     kspec = kernel_spec(spec)
     kernel = compiled_allreduce(*allreduce_kernel_key(
-        "reducescatter", ws.world_size, x.dtype, x.shape[1], spec, residual is not None, gemma,
+        algo, ws.world_size, x.dtype, x.shape[1], spec, residual is not None, gemma,
         y_out is not None, False, state.tuning, x.numel() * x.element_size()))
     state.check_signal_pad(ws)
     raise_if_failed(ws)
     kernel(x, residual, residual_out, weight, y_out, q_out, scales_out,
            *kernel_scalars(format_scalar(spec), scale, global_scale), None,
-           ws.buffer_ptrs, ws.signal_ptrs, ws.error_flag_device, ws.rank,
-           state.tuning.ctas("reducescatter", state.grid_cap(x.device, x.shape[1], kspec, 0),
-                             ws.world_size),
+           state.buffer_table(ws, algo), ws.signal_ptrs, ws.error_flag_device, ws.rank,
+           state.tuning.ctas(algo, state.grid_cap(x.device, x.shape[1], kspec, 0), ws.world_size),
            float(eps), state.tuning.timeout_ns)
+    state.epilogue_gathers += algo == "rsgather"
     after_launch(ws, x.device)
 
 

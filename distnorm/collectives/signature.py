@@ -40,8 +40,8 @@ def _algos() -> tuple:
 
 
 def _forms(algo: str) -> tuple:
-    from distnorm.collectives.plan import ALGORITHM_FORMS
-    return ALGORITHM_FORMS.get(algo, ("",))
+    from distnorm.collectives.plan import ALGORITHM_FORMS, knob
+    return ALGORITHM_FORMS.get(knob(algo), ("",))
 
 
 @dataclass(frozen=True)

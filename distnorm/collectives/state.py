@@ -31,8 +31,8 @@ class AllReduceState:
     lamport_ptrs: int64 [3 * world] device table of every rank's lamport areas (entry k * world + s =
       rank s's area k), built when the areas are first filled with the sentinel.
     halves_ptrs: int64 [2 * world] device table of every rank's buffer, then of its upper half
-      (two-shot's gather areas, NOTE [push and gather halves]), built on the first call that takes
-      it (every algorithm whose plan.Algorithm has two tables).
+      (two-shot's gather areas, rsgather's q areas: NOTE [push and gather halves]), built on the
+      first call that takes it (every algorithm whose plan.Algorithm has two tables).
     """
 
     def __init__(self, tuning: Optional[Tuning] = None) -> None:
@@ -50,6 +50,7 @@ class AllReduceState:
         self._signal_checked = False
         self._ones: dict = {}
         self.row_gathers = 0  # launches of the row gather (collectives/peergather.py)
+        self.epilogue_gathers = 0  # reduce-scatters that gathered q themselves (rsgather)
 
     @property
     def tuning(self) -> Tuning:

@@ -51,14 +51,14 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 # absolute imports: the 4.3.5 DSL preprocessor needs them
 from distnorm.collectives.layout import CALL_W_LAST, DEVICE_ERROR_WORD, region_word
-from distnorm.collectives.plan import ALGORITHM_FORMS, ALGORITHMS
+from distnorm.collectives.plan import ALGORITHM_FORMS, ALGORITHMS, knob
 from distnorm.collectives.signature import (GRID_MULTIPLIER, SIGNATURE_MULTIPLIER,
                                             CallDescriptor, signature_constant)
 from distnorm.formats import VEC, QuantSpec
 from distnorm.kernels.lamport import LamportOneShot
 from distnorm.kernels.norm_quant import NormQuantCore
 from distnorm.kernels.tiling import RowTiling
-from distnorm.kernels.twoshot import RS_ROUNDS, TwoShot, slice_batch
+from distnorm.kernels.twoshot import RS_ALGOS, RS_ROUNDS, TwoShot, slice_batch
 from distnorm.kernels.sync import cta_barrier, ld_volatile_sys_u32, st_volatile_sys_v4_u32
 
 
@@ -72,7 +72,7 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
                  has_residual: bool, gemma: bool, write_y: bool, write_allreduce: bool,
                  pdl: bool = False, dtype: str = "bfloat16", form: str = ""):
         assert algo in ALGORITHMS, algo
-        forms = ALGORITHM_FORMS.get(algo, ("",))
+        forms = ALGORITHM_FORMS.get(knob(algo), ("",))
         form = form or forms[0]
         assert form in forms, (algo, form)
         assert tiling.cluster_n == 1, "the all-reduce kernels use one CTA per row group"
@@ -88,7 +88,13 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
         self.pull_gather = algo == "twoshot" and form in ("pull", "pull-gather")
         self.poll_unseen = algo == "lamport" and form == "poll-unseen"
         # NOTE [reduce-scatter rounds]
-        self.rs_rounds = RS_ROUNDS if algo == "reducescatter" and form == "pipelined" else 1
+        self.rs_rounds = RS_ROUNDS if algo in RS_ALGOS and form == "pipelined" else 1
+        # NOTE [gather in the epilogue]: q's bytes per row, pushed to every peer as it is written
+        self.gather_q = algo == "rsgather"
+        if self.gather_q:
+            assert quant.kind != "none", "rsgather gathers the quantized rows"
+            self.q_row_bytes = tiling.hidden // 2 if quant.packed_fp4 else tiling.hidden
+            assert self.q_row_bytes % 16 == 0, self.q_row_bytes
         # two-shot gathers T(acc) separately only when it differs from the gathered h
         self.gather_acc = write_allreduce and has_residual
         # signal-pad region: one-shot's / two-shot's barrier, lamport's call state
@@ -115,7 +121,7 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
         if const_expr(self.algo == "twoshot"):
             slice_rows = (rows + self.world - 1) // self.world
         groups = (slice_rows + t.rows_per_cta - 1) // t.rows_per_cta
-        if const_expr(self.algo == "reducescatter"):
+        if const_expr(self.algo in RS_ALGOS):
             # shard rows of M (unpadded), then this rank's shard rows (padded for swizzled
             # scales); the grid covers every rank's padded shard, so it is the same on all ranks
             slice_rows = (m + self.world - 1) // self.world
@@ -286,7 +292,7 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
         if const_expr(self.algo == "twoshot"):
             self._twoshot(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr, rank,
                           eps, timeout, rows, slice_rows, groups, own_pad)
-        if const_expr(self.algo == "reducescatter"):
+        if const_expr(self.algo in RS_ALGOS):
             self._reducescatter(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
                                 rank, eps, timeout, rows, slice_rows, groups, own_pad)
 

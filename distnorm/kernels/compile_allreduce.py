@@ -24,6 +24,7 @@ from distnorm.kernels import compat
 from distnorm.kernels.allreduce import AllReduceAddRMSNormQuant
 from distnorm.kernels.compile import CUTE_DTYPES, fake_norm_quant_args, fake_rows
 from distnorm.kernels.rowgather import PeerRowGather
+from distnorm.kernels.twoshot import RS_ALGOS
 from distnorm.collectives.plan import ALGORITHMS
 from distnorm.formats import QuantSpec
 from distnorm.kernels.tiling import RowTiling, choose_tiling
@@ -58,10 +59,10 @@ def compiled_allreduce(algo: str, world: int, dtype: str, hidden: int, quant: Qu
                                       write_allreduce, pdl, dtype, form)
     m = compat.sym_int(32)
     # reducescatter: x has the call's M rows, the outputs the shard's (another run-time count)
-    m_out = compat.sym_int(32) if algo == "reducescatter" else m
+    m_out = compat.sym_int(32) if algo in RS_ALGOS else m
     x, res, res_out, w, y, q, s, scale, gs = fake_norm_quant_args(cdtype, hidden, quant, has_residual,
                                                                   write_y, m_out)
-    if algo == "reducescatter":
+    if algo in RS_ALGOS:
         x = fake_rows(cdtype, hidden, m)
     ar = fake_rows(cdtype, hidden, m_out) if write_allreduce else None
     nptr = world * ALGORITHMS[algo].ptr_tables

@@ -43,6 +43,20 @@ barrier coverage argument are there).
   pushed before that round's barrier, and the rows of round r + 1 are others, so no read meets a
   write; the final barrier keeps the next call's pushes off rows still read, as before. The same
   float32 operations per row, so the same bits as "serial".
+  NOTE [gather in the epilogue]: algorithm "rsgather" is "reducescatter" (either form) that also
+  gathers q for the sequence-parallel op's gather=True: right after a row group's epilogue wrote
+  its q rows (into my rows of the full q tensor: the host passes them as a view of it), the CTA
+  reads them back (its own stores, ordered by the epilogue's CTA barrier) and pushes them into
+  row rank * S + i of every peer's q area, the upper half of its buffer (table entries N + s);
+  after the final barrier it copies the other shards' rows from its own q area into the full q.
+  So q crosses NVLink while the other row groups are still reduced and finished, instead of in a
+  row-gather launch after this kernel (the reduce-scatter leaves the link idle during its
+  epilogue). Safe: the pushes come after the first barrier, so before them every peer has ended
+  its previous kernel; a peer's next call writes my upper half only after its own first barrier,
+  which needs this kernel to have ended; and the copy-out reads only rows that same-index CTAs
+  pushed before the final barrier (every rank's CTA b finishes the same row groups of its own
+  shard). Scales and y are gathered after the kernel as before (collectives/seqpar.py). Same
+  bytes as the row gather: bitwise.
 
 NOTE [two-shot final barrier]
 Why two-shot has no third barrier (one-shot and reduce-scatter keep theirs). After barrier 2 a rank
@@ -71,9 +85,13 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 # absolute imports: the 4.3.5 DSL preprocessor needs them
 from distnorm.formats import VEC
+from distnorm.kernels.sync import ld_volatile_sys_v4_u32, st_volatile_sys_v4_u32
 from distnorm.kernels.tiling import RowTiling
 
-__all__ = ["TwoShot", "slice_batch", "SLICE_BATCH_VECS", "RS_ROUNDS"]
+__all__ = ["TwoShot", "slice_batch", "SLICE_BATCH_VECS", "RS_ROUNDS", "RS_ALGOS"]
+
+# the sequence-parallel reduce-scatter, and the same with q gathered in its epilogue
+RS_ALGOS = ("reducescatter", "rsgather")
 
 # NOTE [reduce-scatter rounds]: the most rounds a CTA's row groups are cut into ("pipelined" form);
 # each round costs one more cross-rank barrier (a few us of NVLink latency per CTA)
@@ -169,6 +187,9 @@ class TwoShot:
         may_push = self._may_push(own_pad)
         sig = self._describe_launch(own_pad, m)
         push_groups = (slice_rows + t.rows_per_cta - 1) // t.rows_per_cta
+        q_base = Int64(0)  # my row 0 of the full q (NOTE [gather in the epilogue])
+        if const_expr(self.gather_q):
+            q_base = mQ.iterator.toint()
         if const_expr(self.rs_rounds == 1):
             self._push_slices(mX, mBuf, rank, slice_rows, push_groups, bidx, nblk, row_in_cta,
                               lane, rT, dtype, may_push)
@@ -178,7 +199,7 @@ class TwoShot:
             for g in range(bidx, self._unless_failed(failed, groups), nblk):
                 self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank, row_in_cta,
                                   lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT,
-                                  static_inv, global_scale, bufs, rW, dtype)
+                                  static_inv, global_scale, bufs, rW, dtype, mBuf, q_base)
         else:
             # NOTE [reduce-scatter rounds]
             mine = Int32(0)  # my push groups: g = bidx + k * nblk, k < mine
@@ -211,31 +232,84 @@ class TwoShot:
                 for g in range(g0, self._unless_failed(failed, end), nblk):
                     self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank,
                                       row_in_cta, lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS,
-                                      rH, rR, rT, static_inv, global_scale, bufs, rW, dtype)
+                                      rH, rR, rT, static_inv, global_scale, bufs, rW, dtype, mBuf,
+                                      q_base)
                 if r + 1 < rounds:
                     failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig) | failed
             # the shard's scale-padding row groups past every pushed row (swizzled layouts)
             for g in range(bidx + mine * nblk, self._unless_failed(failed, groups), nblk):
                 self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank, row_in_cta,
                                   lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT,
-                                  static_inv, global_scale, bufs, rW, dtype)
+                                  static_inv, global_scale, bufs, rW, dtype, mBuf, q_base)
         # nobody may overwrite a slot (next call) that a peer still reads
-        self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+        done = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+        if const_expr(self.gather_q):  # NOTE [gather in the epilogue]
+            self._copy_out_q(mBuf, q_base, m, slice_rows, rank,
+                             self._unless_failed(done | failed, groups), bidx, nblk, row_in_cta,
+                             lane)
 
     @cute.jit
     def _shard_group(self, g: Int32, local: Int32, rows: Int32, base: Int64, slot_elems: Int64,
                      slice_rows: Int32, rank: Int32, row_in_cta: Int32, lane: Int32, eps: Float32,
                      mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT, static_inv, global_scale, bufs,
-                     rW, dtype: cutlass.Constexpr):
+                     rW, dtype: cutlass.Constexpr, mBuf, q_base: Int64):
         """Row group g of my shard: the ordered sum of its slots, the residual add, the epilogue
-        into the shard-local outputs (rows < local are real; rows < `rows` have scales)."""
+        into the shard-local outputs (rows < local are real; rows < `rows` have scales); with
+        gather_q its q rows then go to every peer (NOTE [gather in the epilogue])."""
         i = g * self.t.rows_per_cta + row_in_cta
         row_valid = i < local
         self._reduce_row(rH, rR, rT, mX, mR, mRout, mAR, base, slot_elems, i,
                          rank * slice_rows + i, i, row_valid, rank, lane, dtype)
         self.core.epilogue(rH, i, row_valid, i < rows, lane, row_in_cta, eps, mW, mY, mQ, mS,
                            static_inv, global_scale, bufs, rW)
-        cute.arch.barrier()  # shared-memory partials are reused by the next row
+        cute.arch.barrier()  # shared-memory partials are reused by the next row; q rows visible
+        if const_expr(self.gather_q):
+            if row_valid:
+                self._copy_q_row(q_base + Int64(i) * Int64(self.q_row_bytes), mBuf,
+                                 (Int64(rank) * Int64(slice_rows) + Int64(i))
+                                 * Int64(self.q_row_bytes), Int64(0), rank, lane)
+
+    def _q_units(self) -> tuple:
+        """(16-byte units of a q row, units per lane: the row's threads take lane, lane + tpr, ...)."""
+        units = self.q_row_bytes // 16
+        return units, -(-units // self.t.threads_per_row)
+
+    @cute.jit
+    def _copy_q_row(self, src: Int64, mBuf, off: Int64, dst: Int64, rank: Int32, lane: Int32):
+        """This lane's 16-byte units of the q row at src: with mBuf, to byte `off` of every peer's
+        q area (table entries world + s), else to dst. Volatile loads: they bypass L1, so they see
+        what other threads of the CTA (the epilogue) and the peers (the pushes) stored."""
+        units, per_lane = self._q_units()
+        for k in cutlass.range_constexpr(per_lane):
+            u = lane + Int32(k * self.t.threads_per_row)
+            if u < Int32(units):
+                a, b, c, d = ld_volatile_sys_v4_u32(src + Int64(u) * Int64(16))
+                if const_expr(mBuf is not None):
+                    for s in cutlass.range_constexpr(self.world):
+                        if Int32(s) != rank:
+                            st_volatile_sys_v4_u32(mBuf[self.world + s] + off + Int64(u) * Int64(16),
+                                                   a, b, c, d)
+                else:
+                    st_volatile_sys_v4_u32(dst + Int64(u) * Int64(16), a, b, c, d)
+
+    @cute.jit
+    def _copy_out_q(self, mBuf, q_base: Int64, m: Int32, slice_rows: Int32, rank: Int32,
+                    groups: Int32, bidx: Int32, nblk: Int32, row_in_cta: Int32, lane: Int32):
+        """NOTE [gather in the epilogue]: the other shards' q rows of my row groups, from my q
+        area into their rows of the full q (row s * S + i at q_base + ((s - rank) * S + i) rows)."""
+        own = mBuf[self.world + rank]
+        qrb = Int64(self.q_row_bytes)
+        for g in range(bidx, groups, nblk):
+            i = g * self.t.rows_per_cta + row_in_cta
+            for s in cutlass.range_constexpr(self.world):
+                rows_s = m - Int32(s) * slice_rows  # shard s's rows
+                if rows_s > slice_rows:
+                    rows_s = slice_rows
+                if (Int32(s) != rank) & (i < rows_s):
+                    row = Int64(s) * Int64(slice_rows) + Int64(i)
+                    self._copy_q_row(own + row * qrb, None, Int64(0),
+                                     q_base + (row - Int64(rank) * Int64(slice_rows)) * qrb, rank,
+                                     lane)
 
     @cute.jit
     def _gather_row(self, rH, rA, dst: Int64, gather_h: Int64, gather_a: Int64, row: Int32,

@@ -296,7 +296,8 @@ def _body_seqpar_rows() -> None:
                     spec = formats.make_quant_spec(quant, **opts)
                     expect(_kernel_chunk(peer, x, spec) >= -(-M // peer.world_size),
                            f"{name} M={M}: the reduce-scatter does not fit one launch")
-                for label, ws, gather_by in (("kernel", peer, "peers"),
+                for label, ws, gather_by in (("kernel, q in its epilogue", peer, "epilogue"),
+                                             ("kernel", peer, "peers"),
                                              ("kernel, NCCL gather", peer, "nccl"),
                                              ("torch.distributed", nccl, "peers")):
                     tag = f"{name} M={M} {label}"
@@ -305,12 +306,18 @@ def _body_seqpar_rows() -> None:
                     shard = distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, 1e-6,
                                                                 workspace=ws, norm_out=True, **kw)
                     # y, q and scales: the row gather's three segments
-                    launches = state.row_gathers
+                    launches, fused = state.row_gathers, state.epilogue_gathers
                     full = distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, 1e-6, workspace=ws,
                                                                gather=True, norm_out=True, **kw)
-                    by_peers = ws is peer and gather_by == "peers" and M > 0
+                    by_peers = ws is peer and gather_by != "nccl" and M > 0
                     expect((state.row_gathers > launches) == by_peers,
                            f"{tag}: row gather launched {state.row_gathers - launches} times")
+                    # NOTE [gather in the epilogue]: q gathered by the reduce-scatter kernel
+                    last_shard = M - (peer.world_size - 1) * -(-M // peer.world_size)
+                    in_epilogue = (by_peers and gather_by == "epilogue" and quant is not None
+                                   and last_shard > 0)
+                    expect((state.epilogue_gathers > fused) == in_epilogue,
+                           f"{tag}: {state.epilogue_gathers - fused} reduce-scatters gathered q")
                     expect(torch.equal(shard.residual, want.residual[a:b]), tag + " shard h")
                     expect(torch.equal(shard.y, want.y[a:b]), tag + " shard y")
                     expect(torch.equal(full.y, want.y), tag + " gathered y")
@@ -328,7 +335,7 @@ def _body_seqpar_rows() -> None:
                         expect(torch.equal(_bytes(scales), _bytes(want.scales)),
                                tag + " all_gather_scales of the shards' scales")
                 state_of(peer).tuning = dataclasses.replace(state_of(peer).tuning,
-                                                            gather_by="peers")
+                                                            gather_by="epilogue")
         torch.cuda.synchronize()
         expect.raise_any()
 

@@ -5,6 +5,8 @@
                   (collectives/nopeer.py, NOTE [no-peer forms])
     gather        that path, forced to all_gather x + the slots kernel (DISTNORM_NOPEER_FORM)
     split         that path, forced to all_to_all + slots kernel + one packed all_gather
+    split-h       that path, forced to all_to_all + slots kernel (h only) + all_gather of h + the
+                  single-GPU op on every row
     rowsplit-torch  the row split with its float32 sum in torch (rowsplit.allreduce_by_slices:
                   the fallback before the slots kernel; still the allreduce_out / node-chain path)
     nodechain     with --ranks-per-node G (1 < G < world): the node chain of G-rank nodes
@@ -45,7 +47,8 @@ from distnorm.collectives.dispatch import gathered_sum  # noqa: E402
 from distnorm.launch import init_distributed  # noqa: E402
 
 SHAPES = [(M, H) for H in (4096, 8192) for M in (1, 16, 128, 512, 2048, 8192, 16384)]
-PATHS = ("peer", "nopeer", "gather", "split", "rowsplit-torch", "allgather", "nccl+fused")
+PATHS = ("peer", "nopeer", "gather", "split", "split-h", "rowsplit-torch", "allgather",
+         "nccl+fused")
 PARTS = ("nccl-ar", "nccl-ag", "nccl-a2a", "fused", "fold")
 
 
@@ -87,6 +90,7 @@ def _callables(x, res, w, peer, nccl, chain):
         "nopeer": nopeer("auto"),
         "gather": nopeer("gather"),
         "split": nopeer("split"),
+        "split-h": nopeer("split-h"),
         "rowsplit-torch": lambda: allreduce_by_slices(
             x, res, w, 1e-6, spec, None, None, False, res_out, None, q_out, scales_out, None,
             split, chunk),

@@ -9,10 +9,18 @@ NOTE [no-peer forms]
 - split: all_to_all of row slices (each rank receives its slice of every rank's x), the fold and
   epilogue of that slice into one packed buffer, then one all_gather of the packed buffers. Two
   collectives; each rank receives (N - 1) / N of x and (N - 1) / N of the outputs.
+- split-h (with a residual): all_to_all of row slices, the fold of this rank's slice into h (its
+  rows of residual_out, nothing else written), one all_gather of h in place, then the single-GPU
+  op on every row of h without a residual (h's norm and quantization: bitwise the fold's, NOTE
+  [batch invariance]). Two collectives with an all-reduce's traffic, (N - 1) / N of x and of h
+  received, whatever the outputs; the epilogue runs on all M rows on every rank, as it does after
+  an NCCL all-reduce.
 `form_for` takes the form that receives fewer bytes, counting each collective's fixed cost as
 COLLECTIVE_BYTES more: with a residual, gather never receives more than split at N = 2; split wins
-from N = 4 above about 115 rows at H = 4096 (per-token FP8, residual). The constant is a guess (no
-multi-node machine yet), and DISTNORM_NOPEER_FORM=gather|split forces a form (benchmarks, tests).
+from N = 4 above about 115 rows at H = 4096 (per-token FP8, residual), and split-h receives fewer
+than split whenever a residual is there (h is one of split's outputs). The constant is a guess (no
+multi-node machine yet), and DISTNORM_NOPEER_FORM=gather|split|split-h forces a form (benchmarks,
+tests; split-h without a residual runs split).
 Measured on 2 x H200 (benchmarks/results/fallback_h200_x2.md): see the README.
 
 Both are chunked so that the receive buffer stays within the workspace's buffer size, and
@@ -57,15 +65,19 @@ def out_row_bytes(spec: Optional[QuantSpec], H: int, dtype: torch.dtype, has_res
     return n
 
 
-def form_for(M: int, H: int, world: int, esize: int, out_bytes: int) -> str:
-    """NOTE [no-peer forms]: "gather" or "split" for a call of M rows (DISTNORM_NOPEER_FORM
-    overrides)."""
+def form_for(M: int, H: int, world: int, esize: int, out_bytes: int, has_residual: bool) -> str:
+    """NOTE [no-peer forms]: "gather", "split" or "split-h" for a call of M rows
+    (DISTNORM_NOPEER_FORM overrides)."""
     forced = os.environ.get("DISTNORM_NOPEER_FORM", NOPEER_FORMS[0])
+    if forced == "split-h" and not has_residual:
+        return "split"
     if forced in NOPEER_FORMS[1:]:
         return forced
-    gather = (world - 1) * M * H * esize
-    split = (world - 1) * M * (H * esize + out_bytes) // world + COLLECTIVE_BYTES
-    return "gather" if gather <= split else "split"
+    received = {"gather": (world - 1) * M * H * esize,
+                "split": (world - 1) * M * (H * esize + out_bytes) // world + COLLECTIVE_BYTES}
+    if has_residual:
+        received["split-h"] = 2 * (world - 1) * M * H * esize // world + 2 * COLLECTIVE_BYTES
+    return min(received, key=received.get)  # dict order: gather first on a tie
 
 
 def fold_epilogue(parts: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
@@ -227,6 +239,47 @@ def _split_form(x, residual, weight, eps, spec, scale, global_scale, gemma, resi
         scales_to_layout(scale_dst, spec, scales_out)
 
 
+def _split_h_form(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
+                  q_out, scales_out, group, world: int, rank: int, chunk_rows: int) -> None:
+    """NOTE [no-peer forms], split-h: per chunk, all_to_all the row slices, fold this rank's slice
+    into its rows of h, all_gather h (in place in residual_out when the chunk splits evenly), then
+    the single-GPU op on the chunk's h rows (no residual) into y / q / scales."""
+    import torch.distributed as dist
+    from distnorm.collectives.dispatch import _rows, _scale_rows
+
+    M, H = x.shape
+
+    def finish(a, b, parts):  # parts: [N, S, H]
+        S = parts.shape[1]
+        s0, s1 = slice_bounds(b - a, world, rank)
+        dst = residual_out[a:b]
+        in_place = b - a == world * S and dst.is_contiguous()
+        h = dst if in_place else x.new_empty(world * S, H)
+        fold_epilogue(parts[:, :s1 - s0], residual[a + s0:a + s1], weight, eps, None, None, None,
+                      gemma, h[s0:s1], None, None, None)
+        dist.all_gather_into_tensor(h, h[rank * S:(rank + 1) * S], group=group)
+        if not in_place:
+            dst.copy_(h[:b - a])
+        norm_rows(dst, weight, eps, spec, scale, global_scale, gemma, _rows(y_out, a, b),
+                  _rows(q_out, a, b), _scale_rows(spec, scales_out, a, b))
+
+    def start(a, b, async_op):
+        out = exchange_slices(x[a:b], group, async_op=async_op)
+        return out if async_op else (out, None)
+
+    _overlapped(M, chunk_rows, start, finish, _overlap_ok(x))
+
+
+def norm_rows(h: Tensor, weight: Tensor, eps: float, spec: Optional[QuantSpec], scale,
+              global_scale, gemma: bool, y_out, q_out, scales_out) -> None:
+    """RMSNorm and quantization of h's rows [M, H] (no residual) into the outputs given: the
+    single-GPU kernel on CUDA, the reference on the CPU."""
+    from distnorm.ops import _run_reference, run_fused_norm_kernel
+
+    run = run_fused_norm_kernel if h.is_cuda else _run_reference
+    run(h, None, weight, eps, spec, scale, global_scale, gemma, None, y_out, q_out, scales_out)
+
+
 def allreduce_no_peer(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
                       spec: Optional[QuantSpec], scale, global_scale, gemma: bool, residual_out,
                       y_out, q_out, scales_out, group, buffer_bytes: int) -> None:
@@ -246,10 +299,14 @@ def allreduce_no_peer(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
     out_bytes = out_row_bytes(spec, H, x.dtype, residual_out is not None, y_out is not None)
     args = (x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out, q_out,
             scales_out, group, world)
-    if form_for(M, H, world, x.element_size(), out_bytes) == "gather":
+    form = form_for(M, H, world, x.element_size(), out_bytes, residual_out is not None)
+    if form == "gather":
         chunk = max(1, buffer_bytes // (world * row))
-        if chunk < M and spec is not None and spec.block_scaled and spec.swizzled:
-            chunk = max(128, chunk // 128 * 128)  # swizzled scales: chunks of whole 128-row tiles
-        _gather_form(*args, chunk)
+    elif form == "split-h":
+        chunk = max(1, buffer_bytes // row)
     else:
-        _split_form(*args, rank, max(1, buffer_bytes // max(row, out_bytes)))
+        chunk = max(1, buffer_bytes // max(row, out_bytes))
+    if form != "split" and chunk < M and spec is not None and spec.block_scaled and spec.swizzled:
+        chunk = max(128, chunk // 128 * 128)  # swizzled scales: chunks of whole 128-row tiles
+    {"gather": _gather_form, "split": _split_form,
+     "split-h": _split_h_form}[form](*args, *(() if form == "gather" else (rank,)), chunk)

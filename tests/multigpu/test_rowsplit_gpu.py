@@ -85,13 +85,15 @@ def _body() -> None:
                                   .manual_seed(M)).to(torch.bfloat16)
                 got = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=nccl,
                                                      norm_out=True, allreduce_out=True, **kw)
-                for form in ("gather", "split"):  # without allreduce_out: collectives/nopeer.py
+                # without allreduce_out: collectives/nopeer.py
+                for form in ("gather", "split", "split-h"):
                     os.environ["DISTNORM_NOPEER_FORM"] = form
-                    outs = _poisoned_outputs(quant, opts, M, H, in_place=form == "split")
-                    if form == "split":
+                    in_place = form != "gather"
+                    outs = _poisoned_outputs(quant, opts, M, H, in_place=in_place)
+                    if in_place:
                         outs["residual_out"].copy_(res)  # vLLM's form: h written over residual
                     by_form = distnorm.allreduce_add_rmsnorm(
-                        x, outs["residual_out"] if form == "split" else res, w, 1e-6,
+                        x, outs["residual_out"] if in_place else res, w, 1e-6,
                         workspace=nccl, norm_out=True, **kw, **outs)
                     os.environ.pop("DISTNORM_NOPEER_FORM")
                     for field in ("residual", "y", "q", "scales"):

@@ -16,12 +16,16 @@ NOTE [no-peer forms]
   received, whatever the outputs; the epilogue runs on all M rows on every rank, as it does after
   an NCCL all-reduce.
 `form_for` takes the form that receives fewer bytes, counting each collective's fixed cost as
-COLLECTIVE_BYTES more: with a residual, gather never receives more than split at N = 2; split wins
-from N = 4 above about 115 rows at H = 4096 (per-token FP8, residual), and split-h receives fewer
-than split whenever a residual is there (h is one of split's outputs). The constant is a guess (no
-multi-node machine yet), and DISTNORM_NOPEER_FORM=gather|split|split-h forces a form (benchmarks,
-tests; split-h without a residual runs split).
-Measured on 2 x H200 (benchmarks/results/fallback_h200_x2.md): see the README.
+COLLECTIVE_BYTES more, and the gather form's local work (the all_gather's own copy of x, the fold
+reading N copies) as 1/GATHER_LOCAL_SHARE of x's bytes more: with a residual, gather never receives
+more than split at N = 2; split wins from N = 4 above about 115 rows at H = 4096 (per-token FP8,
+residual), and split-h receives fewer than split whenever a residual is there (h is one of split's
+outputs). At N = 2 gather and split-h receive the same bytes, and the local share puts split-h from
+32 MiB of x on, where it was measured faster (2 x H200, per-token FP8 with a residual,
+benchmarks/results/fallback_splith_h200_x2.md: 8192 x 4096 (64 MiB) 346.5 vs 359.8 us, 16384 x
+8192 1222.8 vs 1372.4; at 2048 x 8192 (32 MiB) gather 191.7 vs 195.6). The constants are from
+NVLink (no multi-node machine yet), and DISTNORM_NOPEER_FORM=gather|split|split-h forces a form
+(benchmarks, tests; split-h without a residual runs split).
 
 Both are chunked so that the receive buffer stays within the workspace's buffer size, and
 NOTE [overlapped chunks]: chunk k + 1's collective (all_gather, or all_to_all) is issued before
@@ -50,6 +54,7 @@ __all__ = ["allreduce_no_peer", "fold_epilogue", "form_for", "COLLECTIVE_BYTES"]
 
 # bytes a collective's fixed cost is worth (about 10 us at 100 GB/s): see NOTE [no-peer forms]
 COLLECTIVE_BYTES = 1 << 20
+GATHER_LOCAL_SHARE = 16  # the gather form's local work, as a share of x's bytes (NOTE above)
 _PACK_ALIGN = 256  # byte alignment of each output's block in the packed buffer (kernel: 16)
 
 
@@ -73,7 +78,7 @@ def form_for(M: int, H: int, world: int, esize: int, out_bytes: int, has_residua
         return "split"
     if forced in NOPEER_FORMS[1:]:
         return forced
-    received = {"gather": (world - 1) * M * H * esize,
+    received = {"gather": (world - 1) * M * H * esize + M * H * esize // GATHER_LOCAL_SHARE,
                 "split": (world - 1) * M * (H * esize + out_bytes) // world + COLLECTIVE_BYTES}
     if has_residual:
         received["split-h"] = 2 * (world - 1) * M * H * esize // world + 2 * COLLECTIVE_BYTES

@@ -101,6 +101,13 @@ def test_algorithm_form_tuning(monkeypatch):
     for world in (2, 4, 8):
         assert auto.form("rsgather", 0, world) == auto.form("rsgather", 1 << 40, world) == "serial"
     assert Tuning(reducescatter_form="pipelined").form("rsgather", 0) == "pipelined"
+    # packed FP4 keeps the reduce-scatter's ladder (the kernel key picks it), 1-byte codes serial
+    from distnorm.formats import make_quant_spec
+    for quant, big in (("nvfp4", "pipelined"), ("fp8", "serial")):
+        spec = make_quant_spec(quant)
+        keys = [allreduce_kernel_key("rsgather", 2, torch.bfloat16, 8192, spec, True, False, False,
+                                     False, auto, n) for n in (16 << 20, 32 << 20)]
+        assert [k[-1] for k in keys] == ["serial", big]
     # two-shot by world size: push at 2 ranks; pull from 512 KiB to below 32 MiB at 4 and 8 (3: the
     # next larger entry, 4; 16: the largest, 8), push outside it
     for nbytes in (0, 1 << 20, (32 << 20) - 1, 32 << 20, 1 << 40):

@@ -172,9 +172,12 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
 # 8: NOT measured, world 4's rule.
 #
 # The reduce-scatter that gathers q in its epilogue ("rsgather", NOTE [gather in the epilogue]) has
-# its own ladder: "serial" at every size, as its q pushes follow each epilogue and the pipelined
-# rounds' barriers only add waits (2 x H200, gathered FP8 x 8192: 2048 rows 85.4 us serial vs 90.6
-# pipelined, 16384 rows 646.5 vs 653.5; benchmarks/results/seqpar_rsgather_h200_x2.md).
+# its own ladder, "serial" at every size, for 1-byte codes: there the pipelined rounds only added
+# waits (2 x H200, gathered FP8: 2048 x 8192 85.5 us serial vs 90.9 pipelined, 2048 x 4096 46.5 vs
+# 53.4, 16384 x 8192 649.3 vs 655.7). Packed FP4 keeps the reduce-scatter's ladder, whose pipelined
+# rounds overlap its heavier epilogue (gathered NVFP4 8192 x 8192 348.3 serial vs 333.1 pipelined,
+# 16384 x 8192 675.6 vs 646.0; 2048 x 4096 62.3 vs 66.4): allreduce_kernel_key picks the ladder.
+# benchmarks/results/seqpar_h200_x2.md (2026-11-27, sixth session) and seqpar_rsgather_h200_x2.md.
 _TWOSHOT_WIDE = ((0, "push"), (512 << 10, "pull"), (32 << 20, "push"))
 SIZED_FORMS = {"reducescatter": {0: ((0, "serial"), (32 << 20, "pipelined"))},
                "rsgather": {0: ((0, "serial"),)},
@@ -273,10 +276,11 @@ class Tuning:
             cap = WORLD_MAX_CTAS.get(world, {}).get(algo, 0)
         return min(cap, co_resident) if cap > 0 else co_resident
 
-    def form(self, algo: str, nbytes: int = 0, world: int = 2) -> str:
+    def form(self, algo: str, nbytes: int = 0, world: int = 2, ladder: str = "") -> str:
         """The form of `algo`'s kernel (ALGORITHM_FORMS) for a launch of `nbytes` on `world` ranks
-        (NOTE [sized forms]: what "auto" goes by); "" for an algorithm with one form."""
-        ladder = algo if algo in SIZED_FORMS else knob(algo)  # its own ladder, else its knob's
+        (NOTE [sized forms]: what "auto" goes by); "" for an algorithm with one form. ladder: the
+        SIZED_FORMS entry "auto" reads (default: algo's own if it has one, else its knob's)."""
+        ladder = ladder or (algo if algo in SIZED_FORMS else knob(algo))
         algo = knob(algo)
         if algo not in ALGORITHM_FORMS:
             return ""

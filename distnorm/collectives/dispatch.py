@@ -17,7 +17,7 @@ from torch import Tensor
 from distnorm.args import (DTYPE_NAMES, check_rows_aligned, format_scalar, kernel_scalars,
                            q_alignment)
 from distnorm.collectives.faults import after_launch, raise_if_failed
-from distnorm.collectives.plan import Tuning, knob, plan_launch
+from distnorm.collectives.plan import Tuning, knob, plan_launch, sized_ladder
 from distnorm.collectives.state import state_of
 from distnorm.formats import MAX_HIDDEN, MIN_HIDDEN, VEC, QuantSpec, kernel_spec
 
@@ -51,11 +51,10 @@ def allreduce_kernel_key(algo: str, world: int, dtype: torch.dtype, H: int,
     algorithm, after plan_launch) on `nbytes` of x (what a sized form goes by, plan's NOTE [sized
     forms]): what distnorm.kernels.precompile compiles ahead of the calls."""
     tuning = Tuning.from_env() if tuning is None else tuning
-    # packed FP4 gathered in the epilogue keeps the reduce-scatter's ladder (plan's NOTE [sized forms])
-    fp4_gather = algo == "rsgather" and spec is not None and spec.packed_fp4
+    ladder = sized_ladder(algo, spec is not None and spec.packed_fp4)
     return (algo, world, DTYPE_NAMES[dtype], H, kernel_spec(spec), has_residual, gemma, write_y,
             write_allreduce, tuning.pdl, tuning.rows_per_cta.get(knob(algo), 0),
-            tuning.form(algo, nbytes, world, knob(algo) if fp4_gather else ""))
+            tuning.form(algo, nbytes, world, ladder))
 
 
 class PlannedCall:

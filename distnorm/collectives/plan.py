@@ -17,6 +17,7 @@ from distnorm.collectives.layout import (LAMPORT_AREAS, REGION_LAMPORT, REGION_O
 
 __all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "ALGORITHM_FORMS", "AUTO_FORM", "GATHER_BY",
            "LAMPORT_FORMS", "SIZED_FORMS", "TUNING_FORMS", "WORLD_MAX_CTAS", "sized_form",
+           "sized_ladder",
            "NOPEER_FORMS", "REDUCESCATTER_FORMS", "ROWGATHER_FORMS", "TWOSHOT_FORMS",
            "settings_ranks_share", "check_shared_settings",
            "Tuning", "choose_algo", "lamport_capacity",
@@ -176,13 +177,21 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
 # waits (2 x H200, gathered FP8: 2048 x 8192 85.5 us serial vs 90.9 pipelined, 2048 x 4096 46.5 vs
 # 53.4, 16384 x 8192 649.3 vs 655.7). Packed FP4 keeps the reduce-scatter's ladder, whose pipelined
 # rounds overlap its heavier epilogue (gathered NVFP4 8192 x 8192 348.3 serial vs 333.1 pipelined,
-# 16384 x 8192 675.6 vs 646.0; 2048 x 4096 62.3 vs 66.4): allreduce_kernel_key picks the ladder.
+# 16384 x 8192 675.6 vs 646.0; 2048 x 4096 62.3 vs 66.4): sized_ladder picks the ladder.
 # benchmarks/results/seqpar_h200_x2.md (2026-11-27, sixth session) and seqpar_rsgather_h200_x2.md.
 _TWOSHOT_WIDE = ((0, "push"), (512 << 10, "pull"), (32 << 20, "push"))
 SIZED_FORMS = {"reducescatter": {0: ((0, "serial"), (32 << 20, "pipelined"))},
                "rsgather": {0: ((0, "serial"),)},
                "rowgather": {0: ((0, "unit"), (8 << 20, "batched"))},
                "twoshot": {2: ((0, "push"),), 4: _TWOSHOT_WIDE, 8: _TWOSHOT_WIDE}}
+
+
+def sized_ladder(algo: str, packed_fp4: bool = False) -> str:
+    """The SIZED_FORMS entry `algo`'s "auto" form reads (NOTE [sized forms]): its own, else its
+    knob's; rsgather's own only for 1-byte codes (packed FP4 keeps the reduce-scatter's)."""
+    if algo in SIZED_FORMS and not (algo == "rsgather" and packed_fp4):
+        return algo
+    return knob(algo)
 
 
 def sized_form(algo: str, nbytes: int, world: int) -> str:
@@ -280,7 +289,7 @@ class Tuning:
         """The form of `algo`'s kernel (ALGORITHM_FORMS) for a launch of `nbytes` on `world` ranks
         (NOTE [sized forms]: what "auto" goes by); "" for an algorithm with one form. ladder: the
         SIZED_FORMS entry "auto" reads (default: algo's own if it has one, else its knob's)."""
-        ladder = ladder or (algo if algo in SIZED_FORMS else knob(algo))
+        ladder = ladder or sized_ladder(algo)
         algo = knob(algo)
         if algo not in ALGORITHM_FORMS:
             return ""

@@ -54,7 +54,7 @@ from distnorm.collectives.layout import CALL_W_LAST, DEVICE_ERROR_WORD, region_w
 from distnorm.collectives.plan import ALGORITHM_FORMS, ALGORITHMS, knob
 from distnorm.collectives.signature import (GRID_MULTIPLIER, SIGNATURE_MULTIPLIER,
                                             CallDescriptor, signature_constant)
-from distnorm.formats import VEC, QuantSpec
+from distnorm.formats import VEC, QuantSpec, q_shape
 from distnorm.kernels.lamport import LamportOneShot
 from distnorm.kernels.norm_quant import NormQuantCore
 from distnorm.kernels.tiling import RowTiling
@@ -93,7 +93,7 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
         self.gather_q = algo == "rsgather"
         if self.gather_q:
             assert quant.kind != "none", "rsgather gathers the quantized rows"
-            self.q_row_bytes = tiling.hidden // 2 if quant.packed_fp4 else tiling.hidden
+            self.q_row_bytes = q_shape(quant, 1, tiling.hidden)[1]  # one byte per code column
             assert self.q_row_bytes % 16 == 0, self.q_row_bytes
         # two-shot gathers T(acc) separately only when it differs from the gathered h
         self.gather_acc = write_allreduce and has_residual

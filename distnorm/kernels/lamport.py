@@ -33,8 +33,8 @@ one CTA (grid = min(groups, cap - 1) + 1; the rows go to the others): it pushes 
 does its share of the sentinel refill and waits for the peers' descriptors (with the same timeout,
 peer -1 in the error), off every row's path, and the row CTAs' code has no descriptor work at all.
 With a one-CTA grid (Tuning.max_ctas 1) that CTA's thread 0 does both: the push first, the wait
-after its rows. A mismatch
-still arrives in the failing call: the launch ends only after its checker saw every descriptor.
+after its rows. A mismatch still arrives in the failing call: the launch ends only after its
+checker saw every descriptor.
 History: waiting for the descriptors inside the row poll cost lamport +4.5..+9% at M = 1 on
 2 x H200 (benchmarks/results/lamport_descriptor_ab_h200_x2.md); looking at them from a row
 thread's poll while a spare CTA took the rest when the grid had room (the form before this one)

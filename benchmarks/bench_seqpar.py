@@ -28,13 +28,15 @@ timing, each shape's distnorm outputs are checked bitwise against the fused all-
 rows of the shard, gathered q and scales); `rs_kernel` says whether the reduce-scatter ran as one
 peer kernel launch (False: in chunks, or torch.distributed; NOTE [reduce-scatter chunks]). Writes <out>.md /
 .json / .png. `--smoke`: the check and every case once, no timing (CPU: gloo ranks and a CPU
-workspace; tests/test_bench_smoke.py).
+workspace; tests/test_bench_smoke.py). `--cases REGEX`: time only the matching cases (A/Bs of one
+form: benchmarks/ab_trees.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -168,7 +170,10 @@ def main(argv=None) -> list:
                     help="workspace data buffer (MiB; default: one reduce-scatter launch for the "
                          "largest call); smaller runs large calls in chunks")
     ap.add_argument("--smoke", action="store_true", help="check + every case once, no timing")
+    ap.add_argument("--cases", default="", help="regex: time only the cases whose name matches "
+                    "(the bitwise check still runs)")
     args = ap.parse_args(argv)
+    case_re = re.compile(args.cases) if args.cases else None
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     if any(M % world for M in args.tokens):
@@ -207,6 +212,8 @@ def main(argv=None) -> list:
             row = {"M": M, "H": H, "rs_kernel": on_gpu and one_launch,
                    "outputs_match": outputs_match(x, res, w, ws)}
             for name, fn in cases(x, res, w, ws, on_gpu, symm, compiled_tail).items():
+                if case_re is not None and not case_re.search(name):
+                    continue
                 dist.barrier()
                 try:
                     us = 0.0 if args.smoke else time_graph_us(fn, prequeue=True)
@@ -239,14 +246,14 @@ def write_results(out: str, world: int, rows: list) -> None:
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".json", "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    cols = [c for c in rows[0] if c not in ("M", "H")]
+    cols = list(dict.fromkeys(c for r in rows for c in r if c not in ("M", "H")))
     lines = [f"# Sequence-parallel RS + add + RMSNorm + quant (+ gather), {world} x {meta['device']}",
              "", f"Command: `{meta['command']}`; torch {meta['torch']}; {meta['date']}. us per call "
              "(CUDA graph of 20 calls, median, max over ranks); names in benchmarks/bench_seqpar.py.",
              "", "| M | H | " + " | ".join(cols) + " |", "|---:|---:|" + "---:|" * len(cols)]
     for r in rows:
         lines.append(f"| {r['M']} | {r['H']} | " + " | ".join(
-            "" if r[c] is None else str(r[c]) for c in cols) + " |")
+            "" if r.get(c) is None else str(r[c]) for c in cols) + " |")
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     try:

@@ -225,3 +225,35 @@ def test_q_gathered_in_the_epilogue_only_where_it_fits():
             state = ws.states["allreduce"]
             state.tuning = dataclasses.replace(state.tuning, gather_by="peers")
             assert not _q_in_epilogue(ws, make_quant_spec("fp8"), 4099, 4096)
+
+
+def test_gathered_scales_in_place_where_the_layout_allows():
+    """seqpar's NOTE [gathered scales]: row-major scales are always their rows of the full output;
+    swizzled ones only when every shard is whole 128-row tiles (M = N x S, S % 128 == 0), whose
+    tiles then concatenate; column-major ones never. And the claim itself: a swizzled shard of S
+    whole tiles is rows [r S, (r + 1) S) of the full M's swizzled tensor."""
+    from distnorm.collectives.rowsplit import linear_spec, scales_to_layout
+    from distnorm.collectives.seqpar import _scales_in_place
+    from distnorm.formats import empty_scales, make_quant_spec
+
+    nvfp4, mxfp8 = make_quant_spec("nvfp4"), make_quant_spec("mxfp8")
+    for spec in (nvfp4, mxfp8):
+        assert _scales_in_place(spec, 512, 256, 2) and _scales_in_place(spec, 512, 128, 4)
+        assert not _scales_in_place(spec, 512, 64, 8)  # 64-row shards share a tile
+        assert not _scales_in_place(spec, 500, 256, 2)  # the last shard is short
+        assert not _scales_in_place(spec, 0, 0, 2)
+        assert _scales_in_place(linear_spec(spec), 4099, 2050, 2)
+    assert _scales_in_place(make_quant_spec("fp8_per_token"), 3, 2, 2)
+    assert _scales_in_place(make_quant_spec("fp8_per_group"), 129, 65, 2)
+    assert not _scales_in_place(make_quant_spec("fp8_per_group", scale_major="col"), 512, 256, 2)
+
+    H, M, world = 1024, 512, 2
+    S = M // world
+    K = H // nvfp4.group_size
+    linear = torch.randint(1, 255, (M, K), dtype=torch.uint8).view(nvfp4.info.scale_dtype)
+    full = empty_scales(nvfp4, M, H, "cpu")
+    scales_to_layout(linear, nvfp4, full)
+    for r in range(world):
+        shard = empty_scales(nvfp4, S, H, "cpu")
+        scales_to_layout(linear[r * S:(r + 1) * S], nvfp4, shard)
+        assert torch.equal(shard.view(torch.uint8), full[r * S:(r + 1) * S].view(torch.uint8))

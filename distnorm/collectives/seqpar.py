@@ -34,9 +34,9 @@ from distnorm.args import (allocate_outputs, check_op_inputs, check_rows,
                            check_rows_aligned, format_scalar, kernel_scalars, returned_scales)
 from distnorm.collectives.ops import _handle, _workspace
 from distnorm.collectives.faults import after_launch, raise_if_failed
-from distnorm.collectives.rowsplit import (gather_in_place, gather_rows, reduce_rows,
-                                           scales_to_layout, scales_to_linear, slice_bounds,
-                                           slice_epilogue)
+from distnorm.collectives.rowsplit import (gather_in_place, gather_rows, linear_spec,
+                                           reduce_rows, scales_to_layout, scales_to_linear,
+                                           slice_bounds, slice_epilogue)
 from distnorm.comm.workspace import Workspace
 from distnorm.formats import (NormQuantOutput, QuantSpec, empty_scales, kernel_spec,
                               make_quant_spec, q_dtype, q_shape, scales_geometry, spec_code)
@@ -128,7 +128,12 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
     full = {}  # gather=True on the kernel path: y / q written into the gathered tensors' rows
     S = -(-M // world)
     q_gathered = False  # q gathered by the reduce-scatter kernel (NOTE [gather in the epilogue])
-    chunk = _kernel_chunk(workspace, x2, spec)
+    # NOTE [gathered scales]: scales to gather are written by the kernel straight into their rows
+    # of the full output where the layout allows (_scales_in_place), else row-major and linear,
+    # as the gather takes them, and put in spec's layout once, after it
+    in_place = has_scales and gather and _scales_in_place(spec, M, S, world)
+    kspec = linear_spec(spec) if has_scales and gather and not in_place else spec
+    chunk = _kernel_chunk(workspace, x2, kspec)
     if chunk:
         if gather:
             if want_y:
@@ -139,11 +144,13 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
                 # one launch only: the kernel finds the gathered q from its shard's view at
                 # rank * S rows, and a chunk's view sits at rank * S + its offset
                 q_gathered = chunk >= S and _q_in_epilogue(workspace, spec, M, H)
-        out = _shard_by_kernel(workspace, x2, residual, weight, eps, spec, scale, global_scale,
+            if in_place:
+                full["scales"] = empty_scales(spec, world * S, H, x2.device)
+        out = _shard_by_kernel(workspace, x2, residual, weight, eps, kspec, scale, global_scale,
                                gemma, want_y, local,
                                {k: t[rank * S:rank * S + local] for k, t in full.items()}, chunk,
                                "rsgather" if q_gathered else "reducescatter")
-        linear = scales_to_linear(out.scales, spec, local, H) if has_scales and gather else None
+        linear = out.scales if has_scales and gather else None
     else:
         out = slice_epilogue(reduce_rows(x2, group), x2.dtype, residual, weight, eps, spec, scale,
                              global_scale, gemma, want_y, False)
@@ -156,9 +163,23 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
     got = _gather(workspace, {k: t for k, t in shards.items() if t is not None}, full, M)
     if q_gathered:
         got["q"] = full["q"][:M]
-    s = _in_layout(got["scales"], spec, M, H) if has_scales else out.scales
+    s = out.scales
+    if has_scales:
+        s = got["scales"] if "scales" in full else _in_layout(got["scales"], spec, M, H)
     return NormQuantOutput(out.residual, got.get("y"), got.get("q"),
                            s if spec is not None else None, None)
+
+
+def _scales_in_place(spec: QuantSpec, M: int, S: int, world: int) -> bool:
+    """NOTE [gathered scales]: whether each shard's scales, in spec's layout, are its rows of the
+    full output's (so the kernel writes them there and the gather copies nothing locally):
+    row-major layouts always; the 128x4 swizzled one when every shard is S whole 128-row tiles
+    (M = world x S), its tiles then concatenating in shard order; column-major never."""
+    if spec.col_major:
+        return False
+    if spec.block_scaled and spec.swizzled:
+        return S > 0 and S % 128 == 0 and M == world * S
+    return True
 
 
 def _gather(ws: Workspace, shards: dict, in_place: dict, M: int) -> dict:
@@ -353,8 +374,6 @@ def all_gather_scales(scales: Tensor, *, workspace: Workspace, rows: int, hidden
     """The scales of every rank's shard (as reduce_scatter_add_rmsnorm returned them, in the
     format's layout for the shard's rows) as the scales of all `rows` rows in the same layout:
     the 128x4 swizzled layout is re-tiled for the full M, not concatenated."""
-    from distnorm.collectives.rowsplit import scales_to_linear
-
     group, world, rank = _group_of(workspace)
     spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
                            scale_major=scale_major, scale_ue8m0=scale_ue8m0)

@@ -252,13 +252,15 @@ def test_nccl_path_bitwise_the_peer_kernels():
     run_distributed(_body, timeout_s=900)
 
 
-SEQPAR_ROWS = (0, 1, 3, 127, 128, 129, 4099)  # uneven shards, 128-row scale tiles crossed
+# uneven shards, 128-row scale tiles crossed; 512: whole tiles per shard at 2 and 4 ranks (swizzled
+# scales gathered in place, seqpar's NOTE [gathered scales])
+SEQPAR_ROWS = (0, 1, 3, 127, 128, 129, 512, 4099)
 SEQPAR_BUFFER = 128 << 20  # the peer workspace of _body_seqpar_rows
 
 
 def _body_seqpar_rows() -> None:
     """The sequence-parallel op at the row counts its issue names (M = 0, 1, 3, 127, 128, 129,
-    4099; every format of QUANTS; H = 4096): by the reduce-scatter kernel (peer mappings; rows
+    4099) and 512 (every format of QUANTS; H = 4096): by the reduce-scatter kernel (peer mappings; rows
     gathered by the row gather kernel and by torch.distributed) and by torch.distributed alone,
     each rank's shard (residual, y, q, scales of its rows), the rows gathered with gather=True
     (y, q and scales in the full-M layout) and by all_gather / all_gather_scales bitwise those of

@@ -404,6 +404,20 @@ def to_swizzled(linear: Tensor) -> Tensor:
     return out.view(linear.dtype) if linear.element_size() == 1 else out
 
 
+def swizzle_into(linear: Tensor, out: Tensor) -> None:
+    """Write [M, K] linear scales into out, a swizzled [Mp, Kp] tensor of the same dtype, as
+    to_swizzled lays them out. When M and K fill whole tiles (M % 128 == 0, K % 4 == 0) this is
+    one copy into a permuted view of out (to_swizzled's zero padding, slice copy, reshape and the
+    copy into out take four kernels); otherwise it goes through to_swizzled."""
+    M, K = linear.shape
+    if M % 128 or K % 4:
+        out.copy_(to_swizzled(linear).view(out.shape))
+        return
+    # bytes: a plain copy of 1-byte scales whatever their dtype (e4m3, ue8m0)
+    dst = out.view(torch.uint8).view(M // 128, K // 4, 32, 4, 4).permute(0, 3, 2, 1, 4)
+    dst.copy_(linear.view(torch.uint8).reshape(M // 128, 4, 32, K // 4, 4))
+
+
 def swizzled_offset(row, blk, k: int):
     """Offset of scale (row, blk) in the flat 128x4-swizzled layout of k blocks per row (the
     order of to_swizzled: row = m0*128 + m1*32 + m2, blk = b0*4 + b1 -> (m0, b0, m2, m1, b1)).

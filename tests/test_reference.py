@@ -14,7 +14,7 @@ import torch
 
 from distnorm.formats import (
     amax_nan, div_f32, e2m1_codes,
-    e2m1_values, e4m3_rn_satfinite, from_swizzled, make_quant_spec, pack_fp4, rcp, round_up_pow2_bits, swizzled_offset, to_swizzled, ue8m0_code,
+    e2m1_values, e4m3_rn_satfinite, from_swizzled, make_quant_spec, pack_fp4, rcp, round_up_pow2_bits, swizzle_into, swizzled_offset, to_swizzled, ue8m0_code,
     ue8m0_inverse, ue8m0_value, unpack_fp4,
 )
 from distnorm.reference import (
@@ -266,6 +266,21 @@ def test_swizzle_matches_tile_loop(M, K):
     assert torch.equal(sw.flatten()[off], padded.flatten())  # padding bytes are zero
     f8 = to_swizzled(lin.view(torch.float8_e4m3fn))
     assert f8.dtype == torch.float8_e4m3fn and torch.equal(f8.view(torch.uint8), sw)
+    # swizzle_into writes the same bytes into a poisoned tensor (one copy on whole tiles)
+    for src in (lin, lin.view(torch.float8_e4m3fn)):
+        out = torch.full((Mp, Kp), 0xA5, dtype=torch.uint8).view(src.dtype)
+        swizzle_into(src, out)
+        assert torch.equal(out.view(torch.uint8), sw)
+
+
+@pytest.mark.parametrize("M,K", [(256, 8), (128, 512), (384, 4)])
+def test_swizzle_into_whole_tiles_from_strided_rows(M, K):
+    """swizzle_into's one-copy path: whole tiles, the linear rows taken from a wider tensor."""
+    wide = torch.randint(1, 256, (M, K + 12), generator=gen(M + K), dtype=torch.uint8)
+    lin = wide[:, 4:4 + K]
+    out = torch.full((M, K), 0x5A, dtype=torch.uint8)
+    swizzle_into(lin, out)
+    assert torch.equal(out, to_swizzled(lin.contiguous()))
 
 
 # ---- formats ----

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from distnorm.formats import NormQuantOutput, QuantSpec, from_swizzled, to_swizzled
+from distnorm.formats import NormQuantOutput, QuantSpec, from_swizzled, swizzle_into
 
 __all__ = ["slice_bounds", "exchange_slices", "fold_slices", "row_bytes", "reduce_rows", "slice_epilogue", "gather_rows", "gather_in_place", "linear_spec",
            "scales_to_layout", "scales_to_linear", "allreduce_by_slices", "FlatSplit"]
@@ -137,7 +137,7 @@ def gather_in_place(full: Tensor, M: int, group) -> Tensor:
 def scales_to_layout(linear: Tensor, spec: QuantSpec, out: Tensor) -> None:
     """Write row-major linear scales [M, K] into `out`, the op's scales tensor in spec's layout."""
     if spec.block_scaled and spec.swizzled:
-        out.copy_(to_swizzled(linear).view(out.shape))
+        swizzle_into(linear, out)
     else:
         out.copy_(linear)  # column-major out: copy_ transposes
 

@@ -217,12 +217,24 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     bf16, H, keys = torch.bfloat16, 4096, []
     if test == "test_seqpar_rows_of_the_issue_bitwise_the_allreduce":
         # the all-reduce each row count's expectations come from (algo auto, y written, 64 MiB
-        # workspace); the reduce-scatter kernels are the other test's keys
+        # workspace); the shards' reduce-scatter kernels are the other test's keys; gather=True's
+        # take the scales' layout of seqpar's NOTE [gathered scales], and rsgather where q is
+        # gathered in the epilogue
         from allreduce_cases import launched_key
-        return list(dict.fromkeys(
-            launched_key(world, "auto", M, H, formats.make_quant_spec(quant, **opts), True, True,
-                         False, bf16, SEQPAR_BUFFER)
-            for quant, opts in QUANTS.values() for M in SEQPAR_ROWS if M > 0))
+        from distnorm.collectives.seqpar import _scales_in_place
+
+        for quant, opts in QUANTS.values():
+            spec = formats.make_quant_spec(quant, **opts)
+            for M in (m for m in SEQPAR_ROWS if m > 0):
+                keys.append(launched_key(world, "auto", M, H, spec, True, True, False, bf16,
+                                         SEQPAR_BUFFER))
+                scaled = spec is not None and formats.scales_geometry(spec, M, H) is not None
+                kspec = (linear_spec(spec) if scaled and not _scales_in_place(
+                    spec, M, -(-M // world), world) else spec)
+                keys += [("allreduce", *allreduce_kernel_key(algo, world, bf16, H, kspec, True,
+                                                             False, True, False, None, M * H * 2))
+                         for algo in ("reducescatter",) + ("rsgather",) * (spec is not None)]
+        return list(dict.fromkeys(keys))
     if test != "test_nccl_path_bitwise_the_peer_kernels":
         return []
     for k, (quant, opts) in enumerate(QUANTS.values()):

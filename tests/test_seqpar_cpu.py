@@ -257,3 +257,34 @@ def test_gathered_scales_in_place_where_the_layout_allows():
         shard = empty_scales(nvfp4, S, H, "cpu")
         scales_to_layout(linear[r * S:(r + 1) * S], nvfp4, shard)
         assert torch.equal(shard.view(torch.uint8), full[r * S:(r + 1) * S].view(torch.uint8))
+
+
+@pytest.mark.parametrize("spec_name", ["fp8_per_token", "mxfp4", "nvfp4"])
+def test_kernel_writes_the_given_gathered_rows(monkeypatch, spec_name):
+    """gather=True on the kernel path: y, q and (NOTE [gathered scales]) scales are written into
+    the views of the gathered tensors it is given, not into tensors of its own (the GPU test found
+    scales dropped that way: the gathered scales were never written)."""
+    from types import SimpleNamespace
+
+    import distnorm.collectives.seqpar as seqpar
+    import distnorm.collectives.state as state
+    from distnorm import formats
+
+    world, rank, S, H = 2, 1, 256, 128
+    spec = formats.make_quant_spec(spec_name)
+    written = {}
+
+    def launch(ws, st, x, residual, residual_out, weight, y_out, q_out, scales_out, *rest):
+        written.update(y=y_out, q=q_out, scales=scales_out)
+
+    monkeypatch.setattr(seqpar, "_launch_scatter", launch)
+    monkeypatch.setattr(state, "state_of", lambda ws: None)
+    full = {"y": torch.empty(world * S, H, dtype=torch.bfloat16),
+            "q": torch.empty(formats.q_shape(spec, world * S, H), dtype=formats.q_dtype(spec)),
+            "scales": formats.empty_scales(spec, world * S, H, "cpu")}
+    given = {k: t[rank * S:(rank + 1) * S] for k, t in full.items()}
+    x = torch.randn(world * S, H).to(torch.bfloat16)
+    seqpar._shard_by_kernel(SimpleNamespace(world_size=world, rank=rank), x, None, None, 1e-6,
+                            spec, None, None, False, True, S, given, S)
+    for k, t in given.items():
+        assert written[k] is not None and written[k].data_ptr() == t.data_ptr(), k

@@ -309,7 +309,8 @@ def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scal
                      gemma, want_y, local, given: dict, chunk: int,
                      algo: str = "reducescatter") -> NormQuantOutput:
     """The reduce-scatter kernel: shard outputs, scales in spec's layout for the shard's rows;
-    given: "y" / "q" outputs to write (the shard's rows of the gathered tensors); chunk: shard rows
+    given: "y" / "q" / "scales" outputs to write (the shard's rows of the gathered tensors; NOTE
+    [gathered scales] for when scales are among them); chunk: shard rows
     per launch (NOTE [reduce-scatter chunks]); algo "rsgather" (one launch) also fills the rest of
     q's gathered tensor (given["q"] is a view of it)."""
     from distnorm.collectives.dispatch import _rows, _scale_rows
@@ -317,7 +318,8 @@ def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scal
 
     state = state_of(ws)
     residual_out, y_out, q_out, scales_out = allocate_outputs(
-        x[:local], spec, residual is not None, want_y, None, given.get("y"), given.get("q"), None)
+        x[:local], spec, residual is not None, want_y, None, given.get("y"), given.get("q"),
+        given.get("scales"))
     if chunk >= local:
         _launch_scatter(ws, state, x, residual, residual_out, weight, y_out, q_out, scales_out,
                         spec, scale, global_scale, gemma, eps, algo)

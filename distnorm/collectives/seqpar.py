@@ -39,7 +39,8 @@ from distnorm.collectives.rowsplit import (gather_in_place, gather_rows, linear_
                                            slice_bounds, slice_epilogue)
 from distnorm.comm.workspace import Workspace
 from distnorm.formats import (NormQuantOutput, QuantSpec, empty_scales, kernel_spec,
-                              make_quant_spec, q_dtype, q_shape, scales_geometry, spec_code)
+                              make_quant_spec, pushed_scale_row_bytes, q_dtype, q_shape,
+                              scales_geometry, spec_code)
 from distnorm.rows import as_rows
 
 __all__ = ["reduce_scatter_add_rmsnorm", "all_gather", "all_gather_scales", "shard_rows"]
@@ -127,13 +128,8 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
     has_scales = spec is not None and scales_geometry(spec, M, H) is not None
     full = {}  # gather=True on the kernel path: y / q written into the gathered tensors' rows
     S = -(-M // world)
-    q_gathered = False  # q gathered by the reduce-scatter kernel (NOTE [gather in the epilogue])
-    # NOTE [gathered scales]: scales to gather are written by the kernel straight into their rows
-    # of the full output where the layout allows (_scales_in_place), else row-major and linear,
-    # as the gather takes them, and put in spec's layout once, after it
-    in_place = has_scales and gather and _scales_in_place(spec, M, S, world)
-    kspec = linear_spec(spec) if has_scales and gather and not in_place else spec
-    chunk = _kernel_chunk(workspace, x2, kspec)
+    chunk, kspec, q_gathered, s_gathered, in_place = _kernel_gathers(workspace, x2, spec,
+                                                                     gather, has_scales)
     if chunk:
         if gather:
             if want_y:
@@ -141,11 +137,8 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
             if spec is not None:
                 full["q"] = torch.empty(q_shape(spec, world * S, H), dtype=q_dtype(spec),
                                         device=x2.device)
-                # one launch only: the kernel finds the gathered q from its shard's view at
-                # rank * S rows, and a chunk's view sits at rank * S + its offset
-                q_gathered = chunk >= S and _q_in_epilogue(workspace, spec, M, H)
             if in_place:
-                full["scales"] = empty_scales(spec, world * S, H, x2.device)
+                full["scales"] = empty_scales(kspec, world * S, H, x2.device)
         out = _shard_by_kernel(workspace, x2, residual, weight, eps, kspec, scale, global_scale,
                                gemma, want_y, local,
                                {k: t[rank * S:rank * S + local] for k, t in full.items()}, chunk,
@@ -159,15 +152,45 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
             out = out._replace(scales=_in_layout(linear, spec, local, H))
     if not gather:
         return out._replace(scales=out.scales if spec is not None else None)
-    shards = {"q": None if q_gathered else out.q, "scales": linear, "y": out.y}
+    shards = {"q": None if q_gathered else out.q, "scales": None if s_gathered else linear,
+              "y": out.y}
     got = _gather(workspace, {k: t for k, t in shards.items() if t is not None}, full, M)
     if q_gathered:
         got["q"] = full["q"][:M]
     s = out.scales
-    if has_scales:
-        s = got["scales"] if "scales" in full else _in_layout(got["scales"], spec, M, H)
+    if s_gathered:  # the kernel gathered them, row-major linear: spec's layout now
+        s = _in_layout(full["scales"][:M], spec, M, H)
+    elif has_scales:
+        s = got["scales"] if in_place else _in_layout(got["scales"], spec, M, H)
     return NormQuantOutput(out.residual, got.get("y"), got.get("q"),
                            s if spec is not None else None, None)
+
+
+def _kernel_gathers(ws: Workspace, x2: Tensor, spec: Optional[QuantSpec], gather: bool,
+                    has_scales: bool) -> tuple:
+    """How the reduce-scatter kernel runs a call: (chunk, the kernel's spec, q gathered by it,
+    scales gathered by it, scales written into the gathered tensor's rows). NOTE [gathered
+    scales]: scales to gather are written by the kernel straight into their rows of the full
+    output: pushed with q in one launch when their row-major linear rows are whole 16-byte units
+    (then put in spec's layout once, after the kernel), else in spec's layout where it allows
+    (_scales_in_place), else row-major and linear, as the row gather takes them, and put in spec's
+    layout once, after it. Every rank computes it from the same call and workspace."""
+    M, H = x2.shape
+    world = ws.world_size
+    S = -(-M // world)
+    in_place = has_scales and gather and _scales_in_place(spec, M, S, world)
+    kspec = linear_spec(spec) if has_scales and gather and not in_place else spec
+    chunk = _kernel_chunk(ws, x2, kspec)
+    if not (gather and spec is not None and chunk and chunk >= S):
+        return chunk, kspec, False, False, in_place
+    # one launch only: the kernel finds the gathered q from its shard's view at rank * S rows, and
+    # a chunk's view sits at rank * S + its offset
+    pushed = pushed_scale_row_bytes(linear_spec(spec), H) if has_scales else 0
+    if pushed and _q_in_epilogue(ws, spec, M, H, pushed):
+        return chunk, linear_spec(spec), True, True, True
+    # the kernel of a spec with pushed scale rows always pushes them: none unless they fit
+    q_gathered = not pushed and _q_in_epilogue(ws, spec, M, H)
+    return chunk, kspec, q_gathered, False, in_place
 
 
 def _scales_in_place(spec: QuantSpec, M: int, S: int, world: int) -> bool:
@@ -286,12 +309,14 @@ def _kernel_chunk(ws: Workspace, x: Tensor, spec: Optional[QuantSpec]) -> int:
 # parallelism pads tokens to); other M that do not fit take torch.distributed.
 
 
-def _q_in_epilogue(ws: Workspace, spec: QuantSpec, M: int, H: int) -> bool:
+def _q_in_epilogue(ws: Workspace, spec: QuantSpec, M: int, H: int,
+                   scale_row_bytes: int = 0) -> bool:
     """Whether the reduce-scatter kernel gathers q itself (NOTE [gather in the epilogue] in
     kernels/twoshot.py): Tuning.gather_by "epilogue", q rows of whole 16-byte units, every rank's
-    q rows ([N][S] rows) in the upper half of the buffer's general part, and no empty shard (the
-    kernel finds the full q through its shard's view, and torch gives an empty view address 0).
-    Every rank computes it from the same call and workspace, so they agree."""
+    q rows ([N][S] rows, and as many scale rows of scale_row_bytes when they go too) in the upper
+    half of the buffer's general part, and no empty shard (the kernel finds the full q through
+    its shard's view, and torch gives an empty view address 0). Every rank computes it from the
+    same call and workspace, so they agree."""
     from distnorm.collectives.layout import lamport_split, push_half
     from distnorm.collectives.state import state_of
 
@@ -301,7 +326,8 @@ def _q_in_epilogue(ws: Workspace, spec: QuantSpec, M: int, H: int) -> bool:
     general = lamport_split(ws.buffer_bytes)[0]
     upper = general - push_half(general)
     S = -(-M // ws.world_size)
-    return (q_row_bytes % 16 == 0 and ws.world_size * S * q_row_bytes <= upper
+    rows_bytes = ws.world_size * S * (q_row_bytes + scale_row_bytes)
+    return (q_row_bytes % 16 == 0 and rows_bytes <= upper
             and M - (ws.world_size - 1) * S > 0)
 
 

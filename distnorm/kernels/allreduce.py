@@ -54,7 +54,7 @@ from distnorm.collectives.layout import CALL_W_LAST, DEVICE_ERROR_WORD, region_w
 from distnorm.collectives.plan import ALGORITHM_FORMS, ALGORITHMS, knob
 from distnorm.collectives.signature import (GRID_MULTIPLIER, SIGNATURE_MULTIPLIER,
                                             CallDescriptor, signature_constant)
-from distnorm.formats import VEC, QuantSpec, q_shape
+from distnorm.formats import VEC, QuantSpec, pushed_scale_row_bytes, q_shape
 from distnorm.kernels.lamport import LamportOneShot
 from distnorm.kernels.norm_quant import NormQuantCore
 from distnorm.kernels.tiling import RowTiling
@@ -91,10 +91,13 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
         self.rs_rounds = RS_ROUNDS if algo in RS_ALGOS and form == "pipelined" else 1
         # NOTE [gather in the epilogue]: q's bytes per row, pushed to every peer as it is written
         self.gather_q = algo == "rsgather"
+        self.s_row_bytes = 0  # and the scales' with them where their rows are whole 16-byte units
         if self.gather_q:
             assert quant.kind != "none", "rsgather gathers the quantized rows"
             self.q_row_bytes = q_shape(quant, 1, tiling.hidden)[1]  # one byte per code column
             assert self.q_row_bytes % 16 == 0, self.q_row_bytes
+            self.s_row_bytes = pushed_scale_row_bytes(quant, tiling.hidden)
+        self.gather_scales = self.s_row_bytes > 0
         # two-shot gathers T(acc) separately only when it differs from the gathered h
         self.gather_acc = write_allreduce and has_residual
         # signal-pad region: one-shot's / two-shot's barrier, lamport's call state

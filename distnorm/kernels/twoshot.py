@@ -55,8 +55,11 @@ barrier coverage argument are there).
   its previous kernel; a peer's next call writes my upper half only after its own first barrier,
   which needs this kernel to have ended; and the copy-out reads only rows that same-index CTAs
   pushed before the final barrier (every rank's CTA b finishes the same row groups of its own
-  shard). Scales and y are gathered after the kernel as before (collectives/seqpar.py). Same
-  bytes as the row gather: bitwise.
+  shard). Scales whose rows are whole 16-byte units in a row-major linear layout
+  (formats.pushed_scale_row_bytes; NVFP4 when H is a multiple of 256) go the same way, into the
+  q area after its N * S q rows, and are copied out with q (the host lays them out afterwards:
+  NOTE [gathered scales] in collectives/seqpar.py); other scales and y are gathered after the
+  kernel. Same bytes as the row gather: bitwise.
 
 NOTE [two-shot final barrier]
 Why two-shot has no third barrier (one-shot and reduce-scatter keep theirs). After barrier 2 a rank
@@ -188,8 +191,11 @@ class TwoShot:
         sig = self._describe_launch(own_pad, m)
         push_groups = (slice_rows + t.rows_per_cta - 1) // t.rows_per_cta
         q_base = Int64(0)  # my row 0 of the full q (NOTE [gather in the epilogue])
+        s_base = Int64(0)  # and of the full scales, when they go with q
         if const_expr(self.gather_q):
             q_base = mQ.iterator.toint()
+        if const_expr(self.gather_scales):
+            s_base = mS.iterator.toint()
         if const_expr(self.rs_rounds == 1):
             self._push_slices(mX, mBuf, rank, slice_rows, push_groups, bidx, nblk, row_in_cta,
                               lane, rT, dtype, may_push)
@@ -199,7 +205,7 @@ class TwoShot:
             for g in range(bidx, self._unless_failed(failed, groups), nblk):
                 self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank, row_in_cta,
                                   lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT,
-                                  static_inv, global_scale, bufs, rW, dtype, mBuf, q_base)
+                                  static_inv, global_scale, bufs, rW, dtype, mBuf, q_base, s_base)
         else:
             # NOTE [reduce-scatter rounds]
             mine = Int32(0)  # my push groups: g = bidx + k * nblk, k < mine
@@ -233,18 +239,18 @@ class TwoShot:
                     self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank,
                                       row_in_cta, lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS,
                                       rH, rR, rT, static_inv, global_scale, bufs, rW, dtype, mBuf,
-                                      q_base)
+                                      q_base, s_base)
                 if r + 1 < rounds:
                     failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig) | failed
             # the shard's scale-padding row groups past every pushed row (swizzled layouts)
             for g in range(bidx + mine * nblk, self._unless_failed(failed, groups), nblk):
                 self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank, row_in_cta,
                                   lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT,
-                                  static_inv, global_scale, bufs, rW, dtype, mBuf, q_base)
+                                  static_inv, global_scale, bufs, rW, dtype, mBuf, q_base, s_base)
         # nobody may overwrite a slot (next call) that a peer still reads
         done = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
         if const_expr(self.gather_q):  # NOTE [gather in the epilogue]
-            self._copy_out_q(mBuf, q_base, m, slice_rows, rank,
+            self._copy_out_q(mBuf, q_base, s_base, m, slice_rows, rank,
                              self._unless_failed(done | failed, groups), bidx, nblk, row_in_cta,
                              lane)
 
@@ -252,10 +258,11 @@ class TwoShot:
     def _shard_group(self, g: Int32, local: Int32, rows: Int32, base: Int64, slot_elems: Int64,
                      slice_rows: Int32, rank: Int32, row_in_cta: Int32, lane: Int32, eps: Float32,
                      mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT, static_inv, global_scale, bufs,
-                     rW, dtype: cutlass.Constexpr, mBuf, q_base: Int64):
+                     rW, dtype: cutlass.Constexpr, mBuf, q_base: Int64, s_base: Int64):
         """Row group g of my shard: the ordered sum of its slots, the residual add, the epilogue
         into the shard-local outputs (rows < local are real; rows < `rows` have scales); with
-        gather_q its q rows then go to every peer (NOTE [gather in the epilogue])."""
+        gather_q its q rows (and with gather_scales their scales) then go to every peer (NOTE
+        [gather in the epilogue])."""
         i = g * self.t.rows_per_cta + row_in_cta
         row_valid = i < local
         self._reduce_row(rH, rR, rT, mX, mR, mRout, mAR, base, slot_elems, i,
@@ -265,21 +272,28 @@ class TwoShot:
         cute.arch.barrier()  # shared-memory partials are reused by the next row; q rows visible
         if const_expr(self.gather_q):
             if row_valid:
-                self._copy_q_row(q_base + Int64(i) * Int64(self.q_row_bytes), mBuf,
-                                 (Int64(rank) * Int64(slice_rows) + Int64(i))
-                                 * Int64(self.q_row_bytes), Int64(0), rank, lane)
+                row = Int64(rank) * Int64(slice_rows) + Int64(i)
+                self._copy_row(q_base + Int64(i) * Int64(self.q_row_bytes), mBuf,
+                               row * Int64(self.q_row_bytes), Int64(0), rank, lane,
+                               self.q_row_bytes)
+                if const_expr(self.gather_scales):
+                    self._copy_row(s_base + Int64(i) * Int64(self.s_row_bytes), mBuf,
+                                   self._scale_area(slice_rows) + row * Int64(self.s_row_bytes),
+                                   Int64(0), rank, lane, self.s_row_bytes)
 
-    def _q_units(self) -> tuple:
-        """(16-byte units of a q row, units per lane: the row's threads take lane, lane + tpr, ...)."""
-        units = self.q_row_bytes // 16
-        return units, -(-units // self.t.threads_per_row)
+    def _scale_area(self, slice_rows: Int32) -> Int64:
+        """Byte offset of the gathered scale rows in a q area: after the world * S q rows."""
+        return Int64(self.world) * Int64(slice_rows) * Int64(self.q_row_bytes)
 
     @cute.jit
-    def _copy_q_row(self, src: Int64, mBuf, off: Int64, dst: Int64, rank: Int32, lane: Int32):
-        """This lane's 16-byte units of the q row at src: with mBuf, to byte `off` of every peer's
-        q area (table entries world + s), else to dst. Volatile loads: they bypass L1, so they see
-        what other threads of the CTA (the epilogue) and the peers (the pushes) stored."""
-        units, per_lane = self._q_units()
+    def _copy_row(self, src: Int64, mBuf, off: Int64, dst: Int64, rank: Int32, lane: Int32,
+                  row_bytes: cutlass.Constexpr):
+        """This lane's 16-byte units of the row_bytes-byte row at src: with mBuf, to byte `off` of
+        every peer's q area (table entries world + s), else to dst. Volatile loads: they bypass
+        L1, so they see what other threads of the CTA (the epilogue) and the peers (the pushes)
+        stored. The row's threads take units lane, lane + threads_per_row, ..."""
+        units = row_bytes // 16
+        per_lane = -(-units // self.t.threads_per_row)
         for k in cutlass.range_constexpr(per_lane):
             u = lane + Int32(k * self.t.threads_per_row)
             if u < Int32(units):
@@ -293,12 +307,15 @@ class TwoShot:
                     st_volatile_sys_v4_u32(dst + Int64(u) * Int64(16), a, b, c, d)
 
     @cute.jit
-    def _copy_out_q(self, mBuf, q_base: Int64, m: Int32, slice_rows: Int32, rank: Int32,
-                    groups: Int32, bidx: Int32, nblk: Int32, row_in_cta: Int32, lane: Int32):
-        """NOTE [gather in the epilogue]: the other shards' q rows of my row groups, from my q
-        area into their rows of the full q (row s * S + i at q_base + ((s - rank) * S + i) rows)."""
+    def _copy_out_q(self, mBuf, q_base: Int64, s_base: Int64, m: Int32, slice_rows: Int32,
+                    rank: Int32, groups: Int32, bidx: Int32, nblk: Int32, row_in_cta: Int32,
+                    lane: Int32):
+        """NOTE [gather in the epilogue]: the other shards' q rows (and scale rows) of my row
+        groups, from my q area into their rows of the full q (row s * S + i at q_base + ((s -
+        rank) * S + i) rows) and of the full scales."""
         own = mBuf[self.world + rank]
         qrb = Int64(self.q_row_bytes)
+        srb = Int64(self.s_row_bytes)
         for g in range(bidx, groups, nblk):
             i = g * self.t.rows_per_cta + row_in_cta
             for s in cutlass.range_constexpr(self.world):
@@ -307,9 +324,13 @@ class TwoShot:
                     rows_s = slice_rows
                 if (Int32(s) != rank) & (i < rows_s):
                     row = Int64(s) * Int64(slice_rows) + Int64(i)
-                    self._copy_q_row(own + row * qrb, None, Int64(0),
-                                     q_base + (row - Int64(rank) * Int64(slice_rows)) * qrb, rank,
-                                     lane)
+                    mine = row - Int64(rank) * Int64(slice_rows)  # the row in my views
+                    self._copy_row(own + row * qrb, None, Int64(0), q_base + mine * qrb, rank,
+                                   lane, self.q_row_bytes)
+                    if const_expr(self.gather_scales):
+                        self._copy_row(own + self._scale_area(slice_rows) + row * srb, None,
+                                       Int64(0), s_base + mine * srb, rank, lane,
+                                       self.s_row_bytes)
 
     @cute.jit
     def _gather_row(self, rH, rA, dst: Int64, gather_h: Int64, gather_a: Int64, row: Int32,

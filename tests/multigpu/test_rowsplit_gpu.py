@@ -219,7 +219,7 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
         # the all-reduce each row count's expectations come from (algo auto, y written, 64 MiB
         # workspace); the shards' reduce-scatter kernels are the other test's keys; gather=True's
         # take the scales' layout of seqpar's NOTE [gathered scales], and rsgather where q is
-        # gathered in the epilogue
+        # gathered in the epilogue (with linear scales where they go with q)
         from allreduce_cases import launched_key
         from distnorm.collectives.seqpar import _scales_in_place
 
@@ -231,9 +231,11 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
                 scaled = spec is not None and formats.scales_geometry(spec, M, H) is not None
                 kspec = (linear_spec(spec) if scaled and not _scales_in_place(
                     spec, M, -(-M // world), world) else spec)
-                keys += [("allreduce", *allreduce_kernel_key(algo, world, bf16, H, kspec, True,
+                keys += [("allreduce", *allreduce_kernel_key(algo, world, bf16, H, s, True,
                                                              False, True, False, None, M * H * 2))
-                         for algo in ("reducescatter",) + ("rsgather",) * (spec is not None)]
+                         for algo, s in (("reducescatter", kspec),) + (
+                             ("rsgather", kspec), ("rsgather", linear_spec(spec))) * (
+                             spec is not None)]
         return list(dict.fromkeys(keys))
     if test != "test_nccl_path_bitwise_the_peer_kernels":
         return []

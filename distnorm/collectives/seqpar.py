@@ -161,7 +161,7 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
     if s_gathered:  # the kernel gathered them, row-major linear: spec's layout now
         s = _in_layout(full["scales"][:M], spec, M, H)
     elif has_scales:
-        s = got["scales"] if in_place else _in_layout(got["scales"], spec, M, H)
+        s = got["scales"] if "scales" in full else _in_layout(got["scales"], spec, M, H)
     return NormQuantOutput(out.residual, got.get("y"), got.get("q"),
                            s if spec is not None else None, None)
 

@@ -20,8 +20,8 @@ gathered for the next GEMM, side by side in one run with the unfused chain and a
 
     torchrun --nproc-per-node N benchmarks/bench_seqpar.py --out benchmarks/results/seqpar_h200_xN
 
-fmt: fp8 (static) and nvfp4 (swizzled scales). M must be a multiple of N (NCCL's reduce_scatter
-takes equal shards). Every entry: a CUDA graph of 20 calls (common.time_graph_us, prequeue), median,
+fmt: fp8 (static) and nvfp4 (swizzled scales); `--formats` also takes fp8pt (per-token FP8). M
+must be a multiple of N (NCCL's reduce_scatter takes equal shards). Every entry: a CUDA graph of 20 calls (common.time_graph_us, prequeue), median,
 max over ranks. `GB/s`: the bytes one GPU must send in the fused form -- (N-1)/N of the M x H bf16
 partial sums, plus (N-1)/N of the gathered q and scales -- over dn_rs_<fmt>_gather's time. Before
 timing, each shape's distnorm outputs are checked bitwise against the fused all-reduce's (residual
@@ -52,19 +52,22 @@ from distnorm.collectives import seqpar  # noqa: E402
 from distnorm.launch import init_distributed  # noqa: E402
 
 EPS = 1e-6
-FORMATS = ("fp8", "nvfp4")
+FORMATS = ("fp8", "nvfp4")  # timed by default; --formats also takes fp8pt (per-token FP8)
 
 
 def format_kwargs(fmt: str, device) -> dict:
-    """The op keywords of a format: static FP8 scale 0.05, NVFP4 global scale 200."""
+    """The op keywords of a format: static FP8 scale 0.05, per-token FP8, NVFP4 global scale 200."""
     if fmt == "fp8":
         return dict(quant="fp8", scale=torch.tensor([0.05], device=device))
+    if fmt == "fp8pt":
+        return dict(quant="fp8_per_token")
     return dict(quant="nvfp4", global_scale=torch.tensor([200.0], device=device))
 
 
 def sent_bytes(fmt: str, M: int, H: int, world: int) -> float:
     """Bytes one GPU sends in the fused form: its share of the reduce-scatter and of the gather."""
-    q_row = H if fmt == "fp8" else H // 2 + H // 16  # FP8 codes; FP4 codes + one e4m3 per 16
+    # FP8 codes (+ a float32 scale per row); FP4 codes + one e4m3 per 16
+    q_row = {"fp8": H, "fp8pt": H + 4}.get(fmt, H // 2 + H // 16)
     return (world - 1) / world * M * (2 * H + q_row)
 
 
@@ -74,14 +77,14 @@ def same_bytes(a, b) -> bool:
                                                        b.contiguous().view(torch.uint8)))
 
 
-def outputs_match(x, res, w, ws) -> bool:
+def outputs_match(x, res, w, ws, formats=FORMATS) -> bool:
     """Every format and reduce-scatter form: the shard's residual and the gathered q / scales
     bitwise the fused all-reduce's (the op's contract)."""
     from distnorm.collectives.plan import REDUCESCATTER_FORMS, ROWGATHER_FORMS
 
     a, b = distnorm.shard_rows(x.shape[0], ws)
     ok = True
-    for fmt in FORMATS:
+    for fmt in formats:
         kw = format_kwargs(fmt, x.device)
         full = distnorm.allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, **kw)
         for rs_form, rg_form in zip(REDUCESCATTER_FORMS, ROWGATHER_FORMS):
@@ -109,14 +112,14 @@ def tuned(ws, call, **fields):
         state.tuning = kept
 
 
-def cases(x, res, w, ws, nccl: bool, symm, compiled_tail) -> dict:
+def cases(x, res, w, ws, nccl: bool, symm, compiled_tail, formats=FORMATS) -> dict:
     """name -> callable of one call (module docstring)."""
     M, H = x.shape
     world = dist.get_world_size()
     a, b = distnorm.shard_rows(M, ws)
     res_shard = res[a:b].clone()
     c = {}
-    for fmt in FORMATS:
+    for fmt in formats:
         kw = format_kwargs(fmt, x.device)
         c[f"dn_rs_{fmt}_gather"] = lambda kw=kw: distnorm.reduce_scatter_add_rmsnorm(
             x, res_shard, w, EPS, workspace=ws, gather=True, **kw)
@@ -170,6 +173,8 @@ def main(argv=None) -> list:
                     help="workspace data buffer (MiB; default: one reduce-scatter launch for the "
                          "largest call); smaller runs large calls in chunks")
     ap.add_argument("--smoke", action="store_true", help="check + every case once, no timing")
+    ap.add_argument("--formats", nargs="*", default=list(FORMATS),
+                    choices=["fp8", "fp8pt", "nvfp4"], help="fp8pt: per-token FP8")
     ap.add_argument("--cases", default="", help="regex: time only the cases whose name matches "
                     "(the bitwise check still runs)")
     args = ap.parse_args(argv)
@@ -210,8 +215,9 @@ def main(argv=None) -> list:
                               ).to(torch.bfloat16)
             one_launch = seqpar._kernel_chunk(ws, x, None) >= -(-M // world)
             row = {"M": M, "H": H, "rs_kernel": on_gpu and one_launch,
-                   "outputs_match": outputs_match(x, res, w, ws)}
-            for name, fn in cases(x, res, w, ws, on_gpu, symm, compiled_tail).items():
+                   "outputs_match": outputs_match(x, res, w, ws, args.formats)}
+            for name, fn in cases(x, res, w, ws, on_gpu, symm, compiled_tail,
+                                  args.formats).items():
                 if case_re is not None and not case_re.search(name):
                     continue
                 dist.barrier()
@@ -225,7 +231,7 @@ def main(argv=None) -> list:
                 t = torch.tensor([us], dtype=torch.float64, device=dev)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 row[name] = None if t.item() != t.item() else round(t.item(), 2)
-            for fmt in FORMATS:
+            for fmt in args.formats:
                 us = row.get(f"dn_rs_{fmt}_gather")
                 row[f"GB/s {fmt}"] = round(sent_bytes(fmt, M, H, world) / us / 1e3, 1) if us else None
             rows.append(row)

@@ -22,9 +22,10 @@ def _seqpar_smoke() -> None:
         assert r["outputs_match"], r
         cases = [k for k in r if k.startswith("dn_")]
         assert len(cases) == 18 and all(r[k] == 0.0 for k in cases), r
-    picked = bench_seqpar.main(["--smoke", "--tokens", "2", "--hidden", "256",
-                                "--cases", "^dn_rs_fp8_gather$"])
-    assert [k for k in picked[0] if k.startswith("dn_")] == ["dn_rs_fp8_gather"], picked
+    picked = bench_seqpar.main(["--smoke", "--tokens", "2", "--hidden", "256", "--formats",
+                                "fp8pt", "--cases", "^dn_rs_fp8pt_gather$"])
+    assert picked[0]["outputs_match"], picked
+    assert [k for k in picked[0] if k.startswith("dn_")] == ["dn_rs_fp8pt_gather"], picked
 
 
 def test_seqpar_benchmark_cases_run():

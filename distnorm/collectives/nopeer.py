@@ -251,6 +251,7 @@ def _split_h_form(x, residual, weight, eps, spec, scale, global_scale, gemma, re
     the single-GPU op on the chunk's h rows (no residual) into y / q / scales."""
     import torch.distributed as dist
     from distnorm.collectives.dispatch import _rows, _scale_rows
+    from distnorm.ops import _impl as add_rmsnorm_rows
 
     M, H = x.shape
 
@@ -265,24 +266,16 @@ def _split_h_form(x, residual, weight, eps, spec, scale, global_scale, gemma, re
         dist.all_gather_into_tensor(h, h[rank * S:(rank + 1) * S], group=group)
         if not in_place:
             dst.copy_(h[:b - a])
-        norm_rows(dst, weight, eps, spec, scale, global_scale, gemma, _rows(y_out, a, b),
-                  _rows(q_out, a, b), _scale_rows(spec, scales_out, a, b))
+        # the single-GPU op's body (kernel on CUDA, reference on the CPU) on h, no residual
+        add_rmsnorm_rows(dst, None, weight, eps, spec, scale, global_scale, gemma, None,
+                         _rows(y_out, a, b), _rows(q_out, a, b),
+                         _scale_rows(spec, scales_out, a, b))
 
     def start(a, b, async_op):
         out = exchange_slices(x[a:b], group, async_op=async_op)
         return out if async_op else (out, None)
 
     _overlapped(M, chunk_rows, start, finish, _overlap_ok(x))
-
-
-def norm_rows(h: Tensor, weight: Tensor, eps: float, spec: Optional[QuantSpec], scale,
-              global_scale, gemma: bool, y_out, q_out, scales_out) -> None:
-    """RMSNorm and quantization of h's rows [M, H] (no residual) into the outputs given: the
-    single-GPU kernel on CUDA, the reference on the CPU."""
-    from distnorm.ops import _run_reference, run_fused_norm_kernel
-
-    run = run_fused_norm_kernel if h.is_cuda else _run_reference
-    run(h, None, weight, eps, spec, scale, global_scale, gemma, None, y_out, q_out, scales_out)
 
 
 def allreduce_no_peer(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
@@ -305,13 +298,13 @@ def allreduce_no_peer(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
     args = (x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out, q_out,
             scales_out, group, world)
     form = form_for(M, H, world, x.element_size(), out_bytes, residual_out is not None)
-    if form == "gather":
-        chunk = max(1, buffer_bytes // (world * row))
-    elif form == "split-h":
-        chunk = max(1, buffer_bytes // row)
-    else:
-        chunk = max(1, buffer_bytes // max(row, out_bytes))
-    if form != "split" and chunk < M and spec is not None and spec.block_scaled and spec.swizzled:
+    if form == "split":
+        _split_form(*args, rank, max(1, buffer_bytes // max(row, out_bytes)))
+        return
+    chunk = max(1, buffer_bytes // (world * row if form == "gather" else row))
+    if chunk < M and spec is not None and spec.block_scaled and spec.swizzled:
         chunk = max(128, chunk // 128 * 128)  # swizzled scales: chunks of whole 128-row tiles
-    {"gather": _gather_form, "split": _split_form,
-     "split-h": _split_h_form}[form](*args, *(() if form == "gather" else (rank,)), chunk)
+    if form == "gather":
+        _gather_form(*args, chunk)
+    else:
+        _split_h_form(*args, rank, chunk)

@@ -143,16 +143,16 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
                                gemma, want_y, local,
                                {k: t[rank * S:rank * S + local] for k, t in full.items()}, chunk,
                                "rsgather" if q_gathered else "reducescatter")
-        linear = out.scales if has_scales and gather else None
+        shard_scales = out.scales if has_scales and gather else None  # in kspec's layout
     else:
         out = slice_epilogue(reduce_rows(x2, group), x2.dtype, residual, weight, eps, spec, scale,
                              global_scale, gemma, want_y, False)
-        linear = out.scales if has_scales else None
+        shard_scales = out.scales if has_scales else None  # linear
         if has_scales:
-            out = out._replace(scales=_in_layout(linear, spec, local, H))
+            out = out._replace(scales=_in_layout(shard_scales, spec, local, H))
     if not gather:
         return out._replace(scales=out.scales if spec is not None else None)
-    shards = {"q": None if q_gathered else out.q, "scales": None if s_gathered else linear,
+    shards = {"q": None if q_gathered else out.q, "scales": None if s_gathered else shard_scales,
               "y": out.y}
     got = _gather(workspace, {k: t for k, t in shards.items() if t is not None}, full, M)
     if q_gathered:

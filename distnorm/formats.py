@@ -276,15 +276,15 @@ def scales_geometry(spec: Optional[QuantSpec], M: int, H: int):
 
 
 def pushed_scale_row_bytes(spec: Optional[QuantSpec], H: int) -> int:
-    """Bytes of one row of spec's scales when a kernel can push them as rows of whole 16-byte
-    units (row-major, linear: each row's scales contiguous), else 0 (no scales, swizzled or
-    column-major layouts, rows of another size: per-token's 4 bytes)."""
+    """Bytes of one row of spec's scales when a kernel can push them as rows of whole 4-byte
+    units (row-major, linear: each row's scales contiguous; 16-byte units where the row has
+    them), else 0 (no scales, swizzled or column-major layouts, rows of another size)."""
     geo = scales_geometry(spec, 1, H)
     if geo is None or spec.col_major or (spec.block_scaled and spec.swizzled):
         return 0
     (_, k), _, dtype = geo
     row_bytes = k * dtype.itemsize
-    return row_bytes if row_bytes % 16 == 0 else 0
+    return row_bytes if row_bytes % 4 == 0 else 0
 
 
 def empty_scales(spec: Optional[QuantSpec], M: int, H: int, device) -> Optional[Tensor]:

@@ -292,9 +292,9 @@ def test_kernel_writes_the_given_gathered_rows(monkeypatch, spec_name):
 
 def test_scales_pushed_with_q_where_their_rows_fit(monkeypatch):
     """NOTE [gathered scales] / [gather in the epilogue]: with gather=True in one launch, scales
-    whose row-major linear rows are whole 16-byte units go with q (the kernel's spec then has
-    linear scales, written into the gathered tensor); scales of other rows (per-token's 4 bytes,
-    NVFP4 at H = 2880) leave q to the kernel and keep their own rule; a spec whose rows would be
+    whose row-major linear rows are whole 4-byte units go with q (the kernel's spec then has
+    linear scales, written into the gathered tensor: per-token's too); scales of other rows
+    (MXFP4 at H = 2880: 90 bytes) leave q to the kernel and keep their own rule; a spec whose rows would be
     pushed but do not fit the q area leaves everything to the row gather (its kernel would push
     them: no rsgather). The plain reduce-scatter and chunked calls never gather."""
     import dataclasses
@@ -309,13 +309,14 @@ def test_scales_pushed_with_q_where_their_rows_fit(monkeypatch):
     world, H, M = 2, 4096, 2048
     S = M // world
     nvfp4, per_token = formats.make_quant_spec("nvfp4"), formats.make_quant_spec("fp8_per_token")
+    mxfp4, fp8 = formats.make_quant_spec("mxfp4"), formats.make_quant_spec("fp8")
     big = _fake_workspace(p2p_ok=True, world_size=world, buffer_bytes=256 << 20)
     x = _FakeRows(M, H)
     assert _kernel_gathers(big, x, nvfp4, True, True) == (S, linear_spec(nvfp4), True, True, True)
-    assert _kernel_gathers(big, x, per_token, True, True) == (S, per_token, True, False, True)
+    assert _kernel_gathers(big, x, per_token, True, True) == (S, per_token, True, True, True)
     assert _kernel_gathers(big, x, nvfp4, False, True) == (S, nvfp4, False, False, False)
-    odd = _kernel_gathers(big, _FakeRows(2 * 200, 2880), nvfp4, True, True)  # 180-byte rows
-    assert odd == (200, linear_spec(nvfp4), True, False, False)  # 200 rows: not whole tiles
+    odd = _kernel_gathers(big, _FakeRows(2 * 200, 2880), mxfp4, True, True)  # 90-byte rows
+    assert odd == (200, linear_spec(mxfp4), True, False, False)  # 200 rows: not whole tiles
     # q fits the q area, q and its scales do not (a buffer of that size): no epilogue gather
     q_bytes = world * S * H // 2
     buf = next(b for b in range(1 << 20, 64 << 20, 1 << 16)
@@ -326,7 +327,8 @@ def test_scales_pushed_with_q_where_their_rows_fit(monkeypatch):
     assert not seqpar._q_in_epilogue(tight, nvfp4, M, H, H // 16)
     monkeypatch.setattr(seqpar, "_q_in_epilogue", lambda ws, spec, M, H, srb=0: srb == 0)
     assert _kernel_gathers(big, x, nvfp4, True, True)[2:4] == (False, False)
-    assert _kernel_gathers(big, x, per_token, True, True)[2:4] == (True, False)
+    assert _kernel_gathers(big, x, per_token, True, True)[2:4] == (False, False)
+    assert _kernel_gathers(big, x, fp8, True, False)[2:4] == (True, False)  # no scales
     monkeypatch.undo()
     state = state_of(big)
     state.tuning = dataclasses.replace(state.tuning, gather_by="peers")

@@ -171,7 +171,7 @@ def _kernel_gathers(ws: Workspace, x2: Tensor, spec: Optional[QuantSpec], gather
     """How the reduce-scatter kernel runs a call: (chunk, the kernel's spec, q gathered by it,
     scales gathered by it, scales written into the gathered tensor's rows). NOTE [gathered
     scales]: scales to gather are written by the kernel straight into their rows of the full
-    output: pushed with q in one launch when their row-major linear rows are whole 16-byte units
+    output: pushed with q in one launch when their row-major linear rows are whole 4-byte units
     (then put in spec's layout once, after the kernel), else in spec's layout where it allows
     (_scales_in_place), else row-major and linear, as the row gather takes them, and put in spec's
     layout once, after it. Every rank computes it from the same call and workspace."""

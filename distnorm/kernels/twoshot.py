@@ -55,9 +55,9 @@ barrier coverage argument are there).
   its previous kernel; a peer's next call writes my upper half only after its own first barrier,
   which needs this kernel to have ended; and the copy-out reads only rows that same-index CTAs
   pushed before the final barrier (every rank's CTA b finishes the same row groups of its own
-  shard). Scales whose rows are whole 16-byte units in a row-major linear layout
-  (formats.pushed_scale_row_bytes; NVFP4 when H is a multiple of 256) go the same way, into the
-  q area after its N * S q rows, and are copied out with q (the host lays them out afterwards:
+  shard). Scales whose rows are whole 4-byte units in a row-major linear layout
+  (formats.pushed_scale_row_bytes; per-token FP8, NVFP4 when H is a multiple of 64) go the same
+  way, into the q area after its N * S q rows, and are copied out with q (the host lays them out afterwards:
   NOTE [gathered scales] in collectives/seqpar.py); other scales and y are gathered after the
   kernel. Same bytes as the row gather: bitwise.
 
@@ -88,7 +88,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 # absolute imports: the 4.3.5 DSL preprocessor needs them
 from distnorm.formats import VEC
-from distnorm.kernels.sync import ld_volatile_sys_v4_u32, st_volatile_sys_v4_u32
+from distnorm.kernels.sync import (ld_volatile_sys_u32, ld_volatile_sys_v4_u32,
+                                  st_volatile_sys_v4_u32, st_volatile_u32)
 from distnorm.kernels.tiling import RowTiling
 
 __all__ = ["TwoShot", "slice_batch", "SLICE_BATCH_VECS", "RS_ROUNDS", "RS_ALGOS"]
@@ -288,23 +289,34 @@ class TwoShot:
     @cute.jit
     def _copy_row(self, src: Int64, mBuf, off: Int64, dst: Int64, rank: Int32, lane: Int32,
                   row_bytes: cutlass.Constexpr):
-        """This lane's 16-byte units of the row_bytes-byte row at src: with mBuf, to byte `off` of
-        every peer's q area (table entries world + s), else to dst. Volatile loads: they bypass
-        L1, so they see what other threads of the CTA (the epilogue) and the peers (the pushes)
-        stored. The row's threads take units lane, lane + threads_per_row, ..."""
-        units = row_bytes // 16
+        """This lane's units of the row_bytes-byte row at src (16-byte units, or 4-byte ones for
+        rows of another multiple of 4: per-token scales): with mBuf, to byte `off` of every peer's
+        q area (table entries world + s), else to dst. Volatile loads: they bypass L1, so they see
+        what other threads of the CTA (the epilogue) and the peers (the pushes) stored. The row's
+        threads take units lane, lane + threads_per_row, ..."""
+        unit = 16 if row_bytes % 16 == 0 else 4
+        units = row_bytes // unit
         per_lane = -(-units // self.t.threads_per_row)
         for k in cutlass.range_constexpr(per_lane):
             u = lane + Int32(k * self.t.threads_per_row)
             if u < Int32(units):
-                a, b, c, d = ld_volatile_sys_v4_u32(src + Int64(u) * Int64(16))
-                if const_expr(mBuf is not None):
-                    for s in cutlass.range_constexpr(self.world):
-                        if Int32(s) != rank:
-                            st_volatile_sys_v4_u32(mBuf[self.world + s] + off + Int64(u) * Int64(16),
-                                                   a, b, c, d)
+                at = Int64(u) * Int64(unit)
+                if const_expr(unit == 16):
+                    a, b, c, d = ld_volatile_sys_v4_u32(src + at)
+                    if const_expr(mBuf is not None):
+                        for s in cutlass.range_constexpr(self.world):
+                            if Int32(s) != rank:
+                                st_volatile_sys_v4_u32(mBuf[self.world + s] + off + at, a, b, c, d)
+                    else:
+                        st_volatile_sys_v4_u32(dst + at, a, b, c, d)
                 else:
-                    st_volatile_sys_v4_u32(dst + Int64(u) * Int64(16), a, b, c, d)
+                    v = ld_volatile_sys_u32(src + at)
+                    if const_expr(mBuf is not None):
+                        for s in cutlass.range_constexpr(self.world):
+                            if Int32(s) != rank:
+                                st_volatile_u32(mBuf[self.world + s] + off + at, v)
+                    else:
+                        st_volatile_u32(dst + at, v)
 
     @cute.jit
     def _copy_out_q(self, mBuf, q_base: Int64, s_base: Int64, m: Int32, slice_rows: Int32,

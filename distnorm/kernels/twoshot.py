@@ -57,9 +57,10 @@ barrier coverage argument are there).
   pushed before the final barrier (every rank's CTA b finishes the same row groups of its own
   shard). Scales whose rows are whole 4-byte units in a row-major linear layout
   (formats.pushed_scale_row_bytes; per-token FP8, NVFP4 when H is a multiple of 64) go the same
-  way, into the q area after its N * S q rows, and are copied out with q (the host lays them out afterwards:
-  NOTE [gathered scales] in collectives/seqpar.py); other scales and y are gathered after the
-  kernel. Same bytes as the row gather: bitwise.
+  way, into the q area after its N * S q rows, and are copied out with q (the host lays them
+  out afterwards: NOTE [gathered scales] in collectives/seqpar.py); other scales and y are
+  gathered after the kernel. Same bytes as the row gather: bitwise. The copies' loads go before
+  their stores (NOTE [batched copies]).
 
 NOTE [two-shot final barrier]
 Why two-shot has no third barrier (one-shot and reduce-scatter keep theirs). After barrier 2 a rank
@@ -115,6 +116,21 @@ SLICE_BATCH_VECS = 16
 def slice_batch(world: int, tiling: RowTiling) -> int:
     """Slices per batch (NOTE [slice batches])."""
     return 1 if world <= 2 else max(1, SLICE_BATCH_VECS // tiling.vecs_per_thread)
+
+
+# NOTE [batched copies]: the epilogue gather's copies (q and scale rows to the peers, then the
+# other shards' rows out of my q area) issue all of a batch's loads before its stores: a store
+# waits for its load, and in-order issue would otherwise pay one load latency per unit. The
+# copy-out batches the rows of COPY_BATCH shards (registers: 4 per 16-byte unit in flight).
+COPY_BATCH = 4
+
+
+def _unit_store(addr: Int64, val: tuple) -> None:
+    """Store one loaded unit (4 words: 16 bytes, 1 word: 4 bytes) at addr."""
+    if len(val) == 4:
+        st_volatile_sys_v4_u32(addr, *val)
+    else:
+        st_volatile_u32(addr, val[0])
 
 
 class TwoShot:
@@ -273,50 +289,53 @@ class TwoShot:
         cute.arch.barrier()  # shared-memory partials are reused by the next row; q rows visible
         if const_expr(self.gather_q):
             if row_valid:
+                # NOTE [batched copies]: every unit of the row's q and scales loaded, then stored
                 row = Int64(rank) * Int64(slice_rows) + Int64(i)
-                self._copy_row(q_base + Int64(i) * Int64(self.q_row_bytes), mBuf,
-                               row * Int64(self.q_row_bytes), Int64(0), rank, lane,
-                               self.q_row_bytes)
+                parts = [(q_base + Int64(i) * Int64(self.q_row_bytes),
+                          row * Int64(self.q_row_bytes), self.q_row_bytes)]
                 if const_expr(self.gather_scales):
-                    self._copy_row(s_base + Int64(i) * Int64(self.s_row_bytes), mBuf,
-                                   self._scale_area(slice_rows) + row * Int64(self.s_row_bytes),
-                                   Int64(0), rank, lane, self.s_row_bytes)
+                    parts.append((s_base + Int64(i) * Int64(self.s_row_bytes),
+                                  self._scale_area(slice_rows) + row * Int64(self.s_row_bytes),
+                                  self.s_row_bytes))
+                loaded = []
+                for p in cutlass.range_constexpr(len(parts)):
+                    loaded.append(self._unit_loads(parts[p][0], lane, parts[p][2]))
+                for p in cutlass.range_constexpr(len(parts)):
+                    unit, units, per_lane = self._units(parts[p][2])
+                    for k in cutlass.range_constexpr(per_lane):
+                        u = lane + Int32(k * self.t.threads_per_row)
+                        if u < Int32(units):
+                            for s in cutlass.range_constexpr(self.world):
+                                if Int32(s) != rank:
+                                    _unit_store(mBuf[self.world + s] + parts[p][1]
+                                                + Int64(u) * Int64(unit), loaded[p][k])
 
     def _scale_area(self, slice_rows: Int32) -> Int64:
         """Byte offset of the gathered scale rows in a q area: after the world * S q rows."""
         return Int64(self.world) * Int64(slice_rows) * Int64(self.q_row_bytes)
 
-    @cute.jit
-    def _copy_row(self, src: Int64, mBuf, off: Int64, dst: Int64, rank: Int32, lane: Int32,
-                  row_bytes: cutlass.Constexpr):
-        """This lane's units of the row_bytes-byte row at src (16-byte units, or 4-byte ones for
-        rows of another multiple of 4: per-token scales): with mBuf, to byte `off` of every peer's
-        q area (table entries world + s), else to dst. Volatile loads: they bypass L1, so they see
-        what other threads of the CTA (the epilogue) and the peers (the pushes) stored. The row's
-        threads take units lane, lane + threads_per_row, ..."""
+    def _units(self, row_bytes: int) -> tuple:
+        """(unit bytes, units, units per lane) of a row_bytes-byte row: 16-byte units, or 4-byte
+        ones for rows of another multiple of 4 (per-token scales); the row's threads take units
+        lane, lane + threads_per_row, ..."""
         unit = 16 if row_bytes % 16 == 0 else 4
         units = row_bytes // unit
-        per_lane = -(-units // self.t.threads_per_row)
-        for k in cutlass.range_constexpr(per_lane):
+        return unit, units, -(-units // self.t.threads_per_row)
+
+    def _unit_loads(self, src: Int64, lane: Int32, row_bytes: int) -> list:
+        """This lane's units of the row at src, all loads issued before any use (NOTE [batched
+        copies]); a lane past the row's units loads unit 0 (its store is skipped). Volatile
+        loads: they bypass L1, so they see what other threads of the CTA (the epilogue) and the
+        peers (the pushes) stored."""
+        unit, units, per_lane = self._units(row_bytes)
+        vals = []
+        for k in range(per_lane):
             u = lane + Int32(k * self.t.threads_per_row)
-            if u < Int32(units):
-                at = Int64(u) * Int64(unit)
-                if const_expr(unit == 16):
-                    a, b, c, d = ld_volatile_sys_v4_u32(src + at)
-                    if const_expr(mBuf is not None):
-                        for s in cutlass.range_constexpr(self.world):
-                            if Int32(s) != rank:
-                                st_volatile_sys_v4_u32(mBuf[self.world + s] + off + at, a, b, c, d)
-                    else:
-                        st_volatile_sys_v4_u32(dst + at, a, b, c, d)
-                else:
-                    v = ld_volatile_sys_u32(src + at)
-                    if const_expr(mBuf is not None):
-                        for s in cutlass.range_constexpr(self.world):
-                            if Int32(s) != rank:
-                                st_volatile_u32(mBuf[self.world + s] + off + at, v)
-                    else:
-                        st_volatile_u32(dst + at, v)
+            if units % self.t.threads_per_row:
+                u = u * Int32(u < Int32(units))
+            at = src + Int64(u) * Int64(unit)
+            vals.append(ld_volatile_sys_v4_u32(at) if unit == 16 else (ld_volatile_sys_u32(at),))
+        return vals
 
     @cute.jit
     def _copy_out_q(self, mBuf, q_base: Int64, s_base: Int64, m: Int32, slice_rows: Int32,
@@ -328,21 +347,33 @@ class TwoShot:
         own = mBuf[self.world + rank]
         qrb = Int64(self.q_row_bytes)
         srb = Int64(self.s_row_bytes)
+        kinds = [(Int64(0), qrb, q_base, self.q_row_bytes)]
+        if const_expr(self.gather_scales):
+            kinds.append((self._scale_area(slice_rows), srb, s_base, self.s_row_bytes))
         for g in range(bidx, groups, nblk):
             i = g * self.t.rows_per_cta + row_in_cta
-            for s in cutlass.range_constexpr(self.world):
-                rows_s = m - Int32(s) * slice_rows  # shard s's rows
-                if rows_s > slice_rows:
-                    rows_s = slice_rows
-                if (Int32(s) != rank) & (i < rows_s):
+            # NOTE [batched copies]: COPY_BATCH shards' rows loaded, then stored
+            for s0 in cutlass.range_constexpr(0, self.world, COPY_BATCH):
+                oks, dsts, loaded = [], [], []
+                for s in cutlass.range_constexpr(s0, min(self.world, s0 + COPY_BATCH)):
+                    rows_s = m - Int32(s) * slice_rows  # shard s's rows
+                    if rows_s > slice_rows:
+                        rows_s = slice_rows
+                    ok = (Int32(s) != rank) & (i < rows_s)
                     row = Int64(s) * Int64(slice_rows) + Int64(i)
                     mine = row - Int64(rank) * Int64(slice_rows)  # the row in my views
-                    self._copy_row(own + row * qrb, None, Int64(0), q_base + mine * qrb, rank,
-                                   lane, self.q_row_bytes)
-                    if const_expr(self.gather_scales):
-                        self._copy_row(own + self._scale_area(slice_rows) + row * srb, None,
-                                       Int64(0), s_base + mine * srb, rank, lane,
-                                       self.s_row_bytes)
+                    read = row * Int64(Int32(ok))  # row 0 when skipped: a valid address
+                    for kd in cutlass.range_constexpr(len(kinds)):
+                        area, rb, base, nbytes = kinds[kd]
+                        oks.append(ok)
+                        dsts.append((base + mine * rb, nbytes))
+                        loaded.append(self._unit_loads(own + area + read * rb, lane, nbytes))
+                for c in cutlass.range_constexpr(len(oks)):
+                    unit, units, per_lane = self._units(dsts[c][1])
+                    for k in cutlass.range_constexpr(per_lane):
+                        u = lane + Int32(k * self.t.threads_per_row)
+                        if oks[c] & (u < Int32(units)):
+                            _unit_store(dsts[c][0] + Int64(u) * Int64(unit), loaded[c][k])
 
     @cute.jit
     def _gather_row(self, rH, rA, dst: Int64, gather_h: Int64, gather_a: Int64, row: Int32,

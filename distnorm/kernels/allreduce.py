@@ -62,6 +62,19 @@ from distnorm.kernels.twoshot import RS_ALGOS, RS_ROUNDS, TwoShot, slice_batch
 from distnorm.kernels.sync import cta_barrier, ld_volatile_sys_u32, st_volatile_sys_v4_u32
 
 
+# NOTE [padding words]
+# The 128x4 swizzled scale layout has whole 128-row tiles, so a call of M rows also writes zero
+# scales for rows M .. round_up(M, 128) - 1. One-shot and lamport hand out only the M real rows as
+# row groups, and every thread of the grid zeroes the padding rows' 4-byte words of the last tile
+# in memory order (NormQuantCore.store_padding_words; the single-GPU kernel's NOTE [padding
+# CTAs]), before its barrier / polls, while it would wait anyway. Before, padding rows were row
+# groups like real ones: at one NVFP4 row a grid of a CTA per padding row group, each through the
+# cross-rank barrier (one-shot) or the call's polls and arrival (lamport). The words are written
+# whether or not the call later fails (zeros, the same every call). Two-shot and the
+# reduce-scatter keep padding row groups: their slices are laid out over the padded rows.
+PADDING_WORD_ALGOS = ("oneshot", "lamport")
+
+
 class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
     """Compile-time: algo, world size, tiling (H), quant, residual/gemma/write_y/write_allreduce.
 
@@ -124,6 +137,8 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
         if const_expr(self.algo == "twoshot"):
             slice_rows = (rows + self.world - 1) // self.world
         groups = (slice_rows + t.rows_per_cta - 1) // t.rows_per_cta
+        if const_expr(self.q.swizzled and self.algo in PADDING_WORD_ALGOS):
+            groups = (m + t.rows_per_cta - 1) // t.rows_per_cta  # NOTE [padding words]
         if const_expr(self.algo in RS_ALGOS):
             # shard rows of M (unpadded), then this rank's shard rows (padded for swizzled
             # scales); the grid covers every rank's padded shard, so it is the same on all ranks
@@ -305,7 +320,7 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
                  own_pad: Int64):
         t = self.t
         dtype = mX.element_type
-        _, bidx, nblk, row_in_cta, lane = self._indices()
+        tidx, bidx, nblk, row_in_cta, lane = self._indices()
         m = mX.shape[0]
         hidden = Int64(t.hidden)
         slot_elems = Int64(m) * hidden  # one slot: this call's M rows
@@ -327,6 +342,9 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
                         if Int32(s) != rank:
                             self.core.store_row(rT, self._row_view(mBuf[s], off, dtype), lane,
                                                 dtype)
+        if const_expr(self.q.swizzled):  # NOTE [padding words]: while the barrier waits
+            self.core.store_padding_words(mS, m, bidx * Int32(t.threads) + tidx,
+                                          nblk * Int32(t.threads))
         failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
 
         # phase 2: ordered float32 sum of the N slots, residual add, epilogue

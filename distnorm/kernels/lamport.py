@@ -249,8 +249,8 @@ class LamportOneShot:
         # NOTE [a failed rank arrives nowhere]: a launch that finds the device error word set
         # pushes neither its descriptor nor its rows, so the peers time out instead of summing
         # Only CTAs with something to push load the word: every warp's load of the one word
-        # queues at its L2 line, and at one NVFP4 row the grid has a CTA per padding row
-        # (NOTE [padding CTAs]): the guard cost up to 0.5 us there on 2 x H200
+        # queues at its L2 line; when padding rows were row groups (before NOTE [padding words])
+        # the guard cost up to 0.5 us at one NVFP4 row on 2 x H200
         # (benchmarks/results/faults_cost_h200_x2.md, table 3)
         may_push = Int32(1)
         if (first_group * Int32(t.rows_per_cta) < m) | checker:
@@ -284,6 +284,9 @@ class LamportOneShot:
                                                        rTw[4 * j + 1], rTw[4 * j + 2],
                                                        rTw[4 * j + 3])
 
+        if const_expr(self.q.swizzled):  # NOTE [padding words] in kernels/allreduce.py
+            self.core.store_padding_words(mS, m, bidx * Int32(t.threads) + tidx,
+                                          nblk * Int32(t.threads))
         # arrive after the pushes are issued, so the atomic is off their critical path
         cute.arch.barrier()  # every thread of this CTA has read k
         if tidx == 0:

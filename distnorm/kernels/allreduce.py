@@ -72,6 +72,8 @@ from distnorm.kernels.sync import cta_barrier, ld_volatile_sys_u32, st_volatile_
 # cross-rank barrier (one-shot) or the call's polls and arrival (lamport). The words are written
 # whether or not the call later fails (zeros, the same every call). Two-shot and the
 # reduce-scatter keep padding row groups: their slices are laid out over the padded rows.
+# Lamport's grid is then the real rows' (as for formats without padding), which also refills the
+# previous call's area (NOTE [lamport clearing]): after a larger call, fewer CTAs share that.
 PADDING_WORD_ALGOS = ("oneshot", "lamport")
 
 

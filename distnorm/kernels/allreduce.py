@@ -70,11 +70,12 @@ from distnorm.kernels.sync import cta_barrier, ld_volatile_sys_u32, st_volatile_
 # CTAs]), before its barrier / polls, while it would wait anyway. Before, padding rows were row
 # groups like real ones: at one NVFP4 row a grid of a CTA per padding row group, each through the
 # cross-rank barrier (one-shot) or the call's polls and arrival (lamport). The words are written
-# whether or not the call later fails (zeros, the same every call). Two-shot and the
-# reduce-scatter keep padding row groups: their slices are laid out over the padded rows.
+# whether or not the call later fails (zeros, the same every call). The reduce-scatter does the
+# same for its shard's last tile (its row groups are the S = ceil(M / N) shard rows, the same on
+# every rank). Two-shot keeps padding row groups: its slices are laid out over the padded rows.
 # Lamport's grid is then the real rows' (as for formats without padding), which also refills the
 # previous call's area (NOTE [lamport clearing]): after a larger call, fewer CTAs share that.
-PADDING_WORD_ALGOS = ("oneshot", "lamport")
+PADDING_WORD_ALGOS = ("oneshot", "lamport")  # and RS_ALGOS, by their own rows
 
 
 class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
@@ -150,11 +151,10 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
                 rows = slice_rows
             if rows < 0:
                 rows = Int32(0)
-            span = slice_rows
             if const_expr(self.q.swizzled):
                 rows = (rows + 127) // 128 * 128
-                span = (slice_rows + 127) // 128 * 128
-            groups = (span + t.rows_per_cta - 1) // t.rows_per_cta
+            # NOTE [padding words]: the shard's padding rows are zeroed by words, not row groups
+            groups = (slice_rows + t.rows_per_cta - 1) // t.rows_per_cta
         blocks = groups
         if const_expr(self.algo == "lamport"):
             if max_ctas > 1:  # a CTA of its own checks the descriptors (NOTE [descriptor check])

@@ -30,8 +30,8 @@ barrier coverage argument are there).
 
 - "reducescatter" (the sequence-parallel op, collectives/seqpar.py): two-shot's phase 1 over
   slices of S = ceil(M / N) unpadded rows, then phase 2 for my slice only, writing shard-local
-  outputs (rows 0..M_r-1 of residual_out, y, q, scales; scale padding to 128 rows of the shard);
-  final cta_barrier. Buffer: scatter [N][S][H] T.
+  outputs (rows 0..M_r-1 of residual_out, y, q, scales; the scale padding of the shard's last
+  tile zeroed by words, NOTE [padding words]); final cta_barrier. Buffer: scatter [N][S][H] T.
   NOTE [reduce-scatter rounds]: in the "serial" form (the default) a CTA pushes all its row groups,
   meets its peers once, then reduces and finishes its rows: the link idles while the epilogue
   runs (by byte count about 600 MB of local HBM traffic against 134 MB pushed at 16384 x 8192 on
@@ -195,13 +195,19 @@ class TwoShot:
         rows of the scale layout). No gather: collectives/seqpar.py gathers q and scales."""
         t = self.t
         dtype = mX.element_type
-        _, bidx, nblk, row_in_cta, lane = self._indices()
+        tidx, bidx, nblk, row_in_cta, lane = self._indices()
         m = mX.shape[0]
         hidden = Int64(t.hidden)
         slot_elems = Int64(slice_rows) * hidden
         local = m - rank * slice_rows  # rows of my shard
         if local > slice_rows:
             local = slice_rows
+        if const_expr(self.q.swizzled):  # NOTE [padding words] in kernels/allreduce.py
+            pad_from = local  # a trailing rank's shard may be empty (local <= 0)
+            if pad_from < Int32(0):
+                pad_from = Int32(0)
+            self.core.store_padding_words(mS, pad_from, bidx * Int32(t.threads) + tidx,
+                                          nblk * Int32(t.threads))
         bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
                                                                          lane)
         may_push = self._may_push(own_pad)
@@ -259,11 +265,6 @@ class TwoShot:
                                       q_base, s_base)
                 if r + 1 < rounds:
                     failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig) | failed
-            # the shard's scale-padding row groups past every pushed row (swizzled layouts)
-            for g in range(bidx + mine * nblk, self._unless_failed(failed, groups), nblk):
-                self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank, row_in_cta,
-                                  lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT,
-                                  static_inv, global_scale, bufs, rW, dtype, mBuf, q_base, s_base)
         # nobody may overwrite a slot (next call) that a peer still reads
         done = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
         if const_expr(self.gather_q):  # NOTE [gather in the epilogue]

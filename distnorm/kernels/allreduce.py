@@ -64,18 +64,22 @@ from distnorm.kernels.sync import cta_barrier, ld_volatile_sys_u32, st_volatile_
 
 # NOTE [padding words]
 # The 128x4 swizzled scale layout has whole 128-row tiles, so a call of M rows also writes zero
-# scales for rows M .. round_up(M, 128) - 1. One-shot and lamport hand out only the M real rows as
-# row groups, and every thread of the grid zeroes the padding rows' 4-byte words of the last tile
-# in memory order (NormQuantCore.store_padding_words; the single-GPU kernel's NOTE [padding
-# CTAs]), before its barrier / polls, while it would wait anyway. Before, padding rows were row
-# groups like real ones: at one NVFP4 row a grid of a CTA per padding row group, each through the
-# cross-rank barrier (one-shot) or the call's polls and arrival (lamport). The words are written
-# whether or not the call later fails (zeros, the same every call). The reduce-scatter does the
-# same for its shard's last tile (its row groups are the S = ceil(M / N) shard rows, the same on
-# every rank). Two-shot keeps padding row groups: its slices are laid out over the padded rows.
-# Lamport's grid is then the real rows' (as for formats without padding), which also refills the
-# previous call's area (NOTE [lamport clearing]): after a larger call, fewer CTAs share that.
-PADDING_WORD_ALGOS = ("oneshot", "lamport")  # and RS_ALGOS, by their own rows
+# scales for rows M .. round_up(M, 128) - 1. Lamport hands out only the M real rows as row groups,
+# and every thread of the grid zeroes the padding rows' 4-byte words of the last tile in memory
+# order (NormQuantCore.store_padding_words; the single-GPU kernel's NOTE [padding CTAs]) before
+# its polls, while it would wait anyway. Before, padding rows were row groups like real ones: at
+# one NVFP4 row a grid of a CTA per padding row group, each through the call's polls and arrival.
+# Measured on 4 x H200 (benchmarks/results/padding_words_ab_h200_x4.md): fused NVFP4 lamport
+# 6.52 -> 6.08 us at 1 x 4096, 6.72 -> 5.22 at 8 x 4096, 8.22 -> 6.61 at 8 x 8192. One-shot keeps
+# its padding row groups: there the words made one NVFP4 row 16% slower (8.53 -> 9.90 us at
+# 1 x 4096: one CTA zeroes the whole tile, 64 words a thread, before a barrier the padding CTAs
+# used to reach together). The words are written whether or not the call later fails (zeros, the
+# same every call). The reduce-scatter does the same for its shard's last tile (its row groups are
+# the S = ceil(M / N) shard rows, the same on every rank). Two-shot keeps padding row groups: its
+# slices are laid out over the padded rows. Lamport's grid is then the real rows' (as for formats
+# without padding), which also refills the previous call's area (NOTE [lamport clearing]): after
+# a larger call, fewer CTAs share that.
+PADDING_WORD_ALGOS = ("lamport",)  # and RS_ALGOS, by their own rows
 
 
 class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
@@ -322,7 +326,7 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
                  own_pad: Int64):
         t = self.t
         dtype = mX.element_type
-        tidx, bidx, nblk, row_in_cta, lane = self._indices()
+        _, bidx, nblk, row_in_cta, lane = self._indices()
         m = mX.shape[0]
         hidden = Int64(t.hidden)
         slot_elems = Int64(m) * hidden  # one slot: this call's M rows
@@ -344,9 +348,6 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
                         if Int32(s) != rank:
                             self.core.store_row(rT, self._row_view(mBuf[s], off, dtype), lane,
                                                 dtype)
-        if const_expr(self.q.swizzled):  # NOTE [padding words]: while the barrier waits
-            self.core.store_padding_words(mS, m, bidx * Int32(t.threads) + tidx,
-                                          nblk * Int32(t.threads))
         failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
 
         # phase 2: ordered float32 sum of the N slots, residual add, epilogue

@@ -106,13 +106,15 @@ def knob(algo: str) -> str:
 #   at 8 MiB (512 x 8192), 61.2 vs 75.1 at 16 MiB: lamport up to 4 MiB. Plain all-reduce (no
 #   epilogue): lamport 30.6 vs two-shot 33.1 at 8 MiB, two-shot 57.6 vs 64.7 at 16 MiB: lamport up
 #   to 8 MiB. One-shot never wins.
-# World 4: measured on 4 x H200, benchmarks/results/allreduce_fusion_h200_x4.md (same command with
-#   --nproc-per-node 4): fused fp8, lamport 17.9 us vs two-shot 19.1 at 1 MiB (128 x 4096); two-shot
-#   25.1 vs lamport 33.4 at 2 MiB (128 x 8192): lamport up to 1 MiB; plain all-reduce likewise
-#   (17.2 vs 17.9 at 1 MiB, 24.3 vs 33.1 at 2 MiB).
+# World 4: measured on 4 x H200 (two-shot with two barriers, 2026-11-27),
+#   benchmarks/results/lamport_crossover_h200_x4.md: fused fp8, lamport 14.75 us vs two-shot 15.91 at
+#   896 KiB (112 x 4096), two-shot 16.56 vs lamport 17.20 at 1 MiB (128 x 4096) and 17.67 vs 21.43 at
+#   1.25 MiB (80 x 8192): lamport up to 896 KiB; plain all-reduce likewise (14.10 vs 14.31 at
+#   896 KiB, 15.17 vs 16.28 at 1 MiB). (Before two-shot lost its third barrier, lamport won up to
+#   1 MiB: 17.9 vs 19.1 us at 128 x 4096, allreduce_fusion_h200_x4.md.)
 # World 8: NOT measured (8-GPU machines were not lent): half of world 4's, to be replaced.
-LAMPORT_CROSSOVER_BYTES = {2: 4 << 20, 4: 1 << 20, 8: 512 << 10}
-LAMPORT_CROSSOVER_BYTES_PLAIN = {2: 8 << 20, 4: 1 << 20, 8: 512 << 10}  # distnorm.allreduce
+LAMPORT_CROSSOVER_BYTES = {2: 4 << 20, 4: 896 << 10, 8: 512 << 10}
+LAMPORT_CROSSOVER_BYTES_PLAIN = {2: 8 << 20, 4: 896 << 10, 8: 512 << 10}  # distnorm.allreduce
 # Bytes per rank up to which the barrier one-shot beats two-shot when lamport does not apply
 # (M beyond one lamport area): one-shot lost to lamport or two-shot at every measured size.
 ONESHOT_CROSSOVER_BYTES = {2: 8 << 20, 4: 1 << 20, 8: 512 << 10}

@@ -11,7 +11,7 @@ test_barrier_protocol.py); a rank's next call starts once all its CTAs finished 
 its own call. With the halves and two barriers the model finds no bad read; with the layout
 before them (gather rows right after the scatter slots) it finds one unless two-shot keeps its
 third barrier -- which is why that barrier existed. The reduce-scatter that gathers q in its
-epilogue (NOTE [gather in the epilogue] in kernels/twoshot.py) is modelled the same way.
+epilogue (NOTE [gather in the epilogue] in kernels/reducescatter.py) is modelled the same way.
 """
 from __future__ import annotations
 

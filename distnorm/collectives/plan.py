@@ -84,7 +84,7 @@ ALGORITHMS = {
     # the sequence-parallel op's kernel (collectives/seqpar.py), not an all-reduce algorithm
     "reducescatter": Algorithm("reducescatter", REGION_REDUCESCATTER, False, _scatter_rows),
     # the same with the quantized rows gathered in its epilogue (NOTE [gather in the epilogue] in
-    # kernels/twoshot.py): every rank's q areas in the upper half, hence two tables
+    # kernels/reducescatter.py): every rank's q areas in the upper half, hence two tables
     "rsgather": Algorithm("rsgather", REGION_REDUCESCATTER, False, _scatter_rows, 2,
                           "reducescatter"),
     # the sequence-parallel gathers through the peers (kernels/rowgather.py; row bytes: all its
@@ -142,7 +142,7 @@ TWOSHOT_FORMS = ("push", "pull-gather", "pull")
 # above measured; "poll-unseen" is to be measured.
 LAMPORT_FORMS = ("poll-all", "poll-unseen")
 # How the sequence-parallel reduce-scatter overlaps its epilogue with its pushes (NOTE [reduce-scatter
-# rounds] in kernels/twoshot.py): "serial" (push everything, one barrier, then the epilogue) or
+# rounds] in kernels/reducescatter.py): "serial" (push everything, one barrier, then the epilogue) or
 # "pipelined" (rounds of pushes and barriers, the epilogue of one round while the next crosses the
 # link). Tuning's default "auto" picks by size (SIZED_FORMS).
 REDUCESCATTER_FORMS = ("serial", "pipelined")
@@ -218,7 +218,7 @@ TUNING_FORMS = {algo: ((AUTO_FORM,) + forms if algo in SIZED_FORMS else forms)
                 for algo, forms in ALGORITHM_FORMS.items()}
 # Who gathers the sequence-parallel ops' rows when the workspace has peer mappings (Tuning.gather_by),
 # the default first: "epilogue" (q pushed from the reduce-scatter's epilogue, NOTE [gather in the
-# epilogue] in kernels/twoshot.py, the rest as "peers"; NOT yet measured against "peers"), "peers"
+# epilogue] in kernels/reducescatter.py, the rest as "peers"; NOT yet measured against "peers"), "peers"
 # (the row gather kernel), "nccl". The peers beat NCCL's all_gather at every size measured on 2 x
 # H200 (FP8 at 512 x 8192 35.4 vs 46.5 us, 16384 x 8192 796 vs 806: seqpar_h200_x2.md)
 GATHER_BY = ("epilogue", "peers", "nccl")

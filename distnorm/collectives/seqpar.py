@@ -11,7 +11,7 @@ allreduce_add_rmsnorm's for those rows (ordered float32 sum, one rounding of h; 
 invariance), and the gathered q / scales are bitwise allreduce_add_rmsnorm's for all M.
 
 With peer mappings the reduce-scatter is one kernel (algorithm "reducescatter" of
-kernels/twoshot.py: the two-shot push, then the norm-quant epilogue of the own shard), launched
+kernels/reducescatter.py: the two-shot push, then the norm-quant epilogue of the own shard), launched
 per chunk when the call is larger than the buffer holds (NOTE [reduce-scatter chunks]); without
 them, or when a call that needs chunks has rows that do not split evenly, torch.distributed
 (all_to_all; the single-GPU kernel for the epilogue, the reference on CPU). Gathers (gather=True,
@@ -312,7 +312,7 @@ def _kernel_chunk(ws: Workspace, x: Tensor, spec: Optional[QuantSpec]) -> int:
 def _q_in_epilogue(ws: Workspace, spec: QuantSpec, M: int, H: int,
                    scale_row_bytes: int = 0) -> bool:
     """Whether the reduce-scatter kernel gathers q itself (NOTE [gather in the epilogue] in
-    kernels/twoshot.py): Tuning.gather_by "epilogue", q rows of whole 16-byte units, every rank's
+    kernels/reducescatter.py): Tuning.gather_by "epilogue", q rows of whole 16-byte units, every rank's
     q rows ([N][S] rows, and as many scale rows of scale_row_bytes when they go too) in the upper
     half of the buffer's general part, and no empty shard (the kernel finds the full q through
     its shard's view, and torch gives an empty view address 0). Every rank computes it from the

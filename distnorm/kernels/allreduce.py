@@ -11,8 +11,9 @@ One kernel class, four compile-time algorithms:
   cta_barrier so that no rank's next call overwrites a slot a peer is still reading.
   Buffer: [N slots][rows][H] of T (rows = M, or M padded to 128 for swizzled scales).
 
-- "twoshot" (bandwidth) and "reducescatter" (the sequence-parallel op): kernels/twoshot.py
-  (NOTE [two-shot forms], NOTE [two-shot final barrier], NOTE [slice batches] there).
+- "twoshot" (bandwidth): kernels/twoshot.py (NOTE [two-shot forms], NOTE [two-shot final barrier],
+  NOTE [slice batches] there); "reducescatter" and "rsgather" (the sequence-parallel op):
+  kernels/reducescatter.py (NOTE [reduce-scatter rounds], NOTE [gather in the epilogue]).
 
 - "lamport" (latency, no barrier): one-shot whose readers poll the data itself. Three rotating
   areas (collectives/layout.py; sentinel: kernels/lamport.py); call c pushes its sanitized rows into area c mod 3,
@@ -58,7 +59,8 @@ from distnorm.formats import VEC, QuantSpec, pushed_scale_row_bytes, q_shape
 from distnorm.kernels.lamport import LamportOneShot
 from distnorm.kernels.norm_quant import NormQuantCore
 from distnorm.kernels.tiling import RowTiling
-from distnorm.kernels.twoshot import RS_ALGOS, RS_ROUNDS, TwoShot, slice_batch
+from distnorm.kernels.reducescatter import RS_ALGOS, RS_ROUNDS, ReduceScatter
+from distnorm.kernels.twoshot import TwoShot, slice_batch
 from distnorm.kernels.sync import cta_barrier, ld_volatile_sys_u32, st_volatile_sys_v4_u32
 
 
@@ -82,7 +84,7 @@ from distnorm.kernels.sync import cta_barrier, ld_volatile_sys_u32, st_volatile_
 PADDING_WORD_ALGOS = ("lamport",)  # and RS_ALGOS, by their own rows
 
 
-class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot):
+class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
     """Compile-time: algo, world size, tiling (H), quant, residual/gemma/write_y/write_allreduce.
 
     Run-time: M (rows of x), rank, grid size, eps, timeout, the peer-pointer tables.

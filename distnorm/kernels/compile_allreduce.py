@@ -24,7 +24,7 @@ from distnorm.kernels import compat
 from distnorm.kernels.allreduce import AllReduceAddRMSNormQuant
 from distnorm.kernels.compile import CUTE_DTYPES, fake_norm_quant_args, fake_rows
 from distnorm.kernels.rowgather import PeerRowGather
-from distnorm.kernels.twoshot import RS_ALGOS
+from distnorm.kernels.reducescatter import RS_ALGOS
 from distnorm.collectives.plan import ALGORITHMS
 from distnorm.formats import QuantSpec
 from distnorm.kernels.tiling import RowTiling, choose_tiling

@@ -1,24 +1,25 @@
-"""The two-shot all-reduce ("twoshot") and the sequence-parallel reduce-scatter ("reducescatter"):
-their bodies ``TwoShot._twoshot`` and ``TwoShot._reducescatter``, a part of the kernel class
-``AllReduceAddRMSNormQuant`` (kernels/allreduce.py, whose helpers they use: _sum_slots,
+"""The two-shot all-reduce ("twoshot"): its body ``TwoShot._twoshot``, a part of the kernel class
+``AllReduceAddRMSNormQuant`` (kernels/allreduce.py, whose helpers it uses: _sum_slots,
 _fragments, _barrier, _row_view, _may_push, ...; NOTE [programmatic dependent launch] and the
-barrier coverage argument are there).
+barrier coverage argument are there). Its push (_push_slices) is also the sequence-parallel
+reduce-scatter's phase 1 (kernels/reducescatter.py).
 
-- "twoshot" (bandwidth): rows are cut into N contiguous slices of S = ceil(rows / N) rows; slice s
-  is owned by rank s. Phase 1 (reduce-scatter push): x rows of slice s go to slot `rank` of rank s's
-  scatter area (own slice: stays in x); cta_barrier. Phase 2: each rank reduces its own slice
-  (float32, rank order) and does the residual add there (the residual is replicated, so the owner
-  has it): it pushes T(h) (2 bytes per element) -- and T(acc) when the plain all-reduce output is
-  asked for together with a residual -- into the gather area of every other rank, and runs its own
-  slice's epilogue right there (its HBM traffic overlaps the NVLink pushes); cta_barrier. Phase 3:
-  every rank reads the other slices' full rows of gathered h from its local buffer, writes
-  residual_out and runs the epilogue. Gathering T(h)
-  instead of T(acc) keeps h = T(acc + float(res)) exact (one rounding of the float32 sum) and
-  bitwise identical on all ranks. No third barrier (NOTE [two-shot final barrier]).
+"twoshot" (bandwidth): rows are cut into N contiguous slices of S = ceil(rows / N) rows; slice s
+is owned by rank s. Phase 1 (reduce-scatter push): x rows of slice s go to slot `rank` of rank s's
+scatter area (own slice: stays in x); cta_barrier. Phase 2: each rank reduces its own slice
+(float32, rank order) and does the residual add there (the residual is replicated, so the owner
+has it): it pushes T(h) (2 bytes per element) -- and T(acc) when the plain all-reduce output is
+asked for together with a residual -- into the gather area of every other rank, and runs its own
+slice's epilogue right there (its HBM traffic overlaps the NVLink pushes); cta_barrier. Phase 3:
+every rank reads the other slices' full rows of gathered h from its local buffer, writes
+residual_out and runs the epilogue. Gathering T(h)
+instead of T(acc) keeps h = T(acc + float(res)) exact (one rounding of the float32 sum) and
+bitwise identical on all ranks. No third barrier (NOTE [two-shot final barrier]).
   Buffer: scatter [N][S][H] T in the lower half; gather h [N*S][H] T, then (optional) gather acc
   [N*S][H] T in the upper half (table entries N + s; NOTE [push and gather halves] in
   collectives/layout.py).
-  NOTE [two-shot forms]: `form` (plan.TWOSHOT_FORMS, a Tuning knob: same bits, other traffic)
+  
+NOTE [two-shot forms]: `form` (plan.TWOSHOT_FORMS, a Tuning knob: same bits, other traffic)
   chooses who moves the rows over NVLink. "push" is the above (remote stores in both exchanges).
   "pull-gather": phase 2 writes T(h) (and T(acc)) of my slice into MY gather area only, and phase 3
   loads the other slices' rows from their owners' gather areas (remote loads; nothing pushed).
@@ -27,40 +28,6 @@ barrier coverage argument are there).
   rank*S+i of every peer's copy (all N-1 remote loads in flight, summed in rank order as before).
   Every dependency stays between same-index CTAs (the copy loop walks the push loop's rows), the
   barriers stay two, and the float32 operations are the same, so the bits are.
-
-- "reducescatter" (the sequence-parallel op, collectives/seqpar.py): two-shot's phase 1 over
-  slices of S = ceil(M / N) unpadded rows, then phase 2 for my slice only, writing shard-local
-  outputs (rows 0..M_r-1 of residual_out, y, q, scales; the scale padding of the shard's last
-  tile zeroed by words, NOTE [padding words]); final cta_barrier. Buffer: scatter [N][S][H] T.
-  NOTE [reduce-scatter rounds]: in the "serial" form (the default) a CTA pushes all its row groups,
-  meets its peers once, then reduces and finishes its rows: the link idles while the epilogue
-  runs (by byte count about 600 MB of local HBM traffic against 134 MB pushed at 16384 x 8192 on
-  2 ranks: ~140 us of the 530 measured, benchmarks/results/seqpar_h200_x2.md). The "pipelined" form cuts
-  a CTA's row groups into up to RS_ROUNDS rounds with a barrier after each round's push, and pushes
-  round r + 1 before it finishes round r, so the epilogue runs while the next rows cross the
-  link. Every rank's same-index CTA has the same groups (push_groups, grid and index agree: the
-  signature says so), hence the same rounds and barriers. A round only reads slot rows its peers
-  pushed before that round's barrier, and the rows of round r + 1 are others, so no read meets a
-  write; the final barrier keeps the next call's pushes off rows still read, as before. The same
-  float32 operations per row, so the same bits as "serial".
-  NOTE [gather in the epilogue]: algorithm "rsgather" is "reducescatter" (either form) that also
-  gathers q for the sequence-parallel op's gather=True: right after a row group's epilogue wrote
-  its q rows (into my rows of the full q tensor: the host passes them as a view of it), the CTA
-  reads them back (its own stores, ordered by the epilogue's CTA barrier) and pushes them into
-  row rank * S + i of every peer's q area, the upper half of its buffer (table entries N + s);
-  after the final barrier it copies the other shards' rows from its own q area into the full q.
-  So q crosses NVLink while the other row groups are still reduced and finished, instead of in a
-  row-gather launch after this kernel (the reduce-scatter leaves the link idle during its
-  epilogue). Safe: the pushes come after the first barrier, so before them every peer has ended
-  its previous kernel; a peer's next call writes my upper half only after its own first barrier,
-  which needs this kernel to have ended; and the copy-out reads only rows that same-index CTAs
-  pushed before the final barrier (every rank's CTA b finishes the same row groups of its own
-  shard). Scales whose rows are whole 4-byte units in a row-major linear layout
-  (formats.pushed_scale_row_bytes; per-token FP8, NVFP4 when H is a multiple of 64) go the same
-  way, into the q area after its N * S q rows, and are copied out with q (the host lays them
-  out afterwards: NOTE [gathered scales] in collectives/seqpar.py); other scales and y are
-  gathered after the kernel. Same bytes as the row gather: bitwise. The copies' loads go before
-  their stores (NOTE [batched copies]).
 
 NOTE [two-shot final barrier]
 Why two-shot has no third barrier (one-shot and reduce-scatter keep theirs). After barrier 2 a rank
@@ -89,18 +56,10 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 # absolute imports: the 4.3.5 DSL preprocessor needs them
 from distnorm.formats import VEC
-from distnorm.kernels.sync import (ld_volatile_sys_u32, ld_volatile_sys_v4_u32,
-                                  st_volatile_sys_v4_u32, st_volatile_u32)
 from distnorm.kernels.tiling import RowTiling
 
-__all__ = ["TwoShot", "slice_batch", "SLICE_BATCH_VECS", "RS_ROUNDS", "RS_ALGOS"]
+__all__ = ["TwoShot", "slice_batch", "SLICE_BATCH_VECS"]
 
-# the sequence-parallel reduce-scatter, and the same with q gathered in its epilogue
-RS_ALGOS = ("reducescatter", "rsgather")
-
-# NOTE [reduce-scatter rounds]: the most rounds a CTA's row groups are cut into ("pipelined" form);
-# each round costs one more cross-rank barrier (a few us of NVLink latency per CTA)
-RS_ROUNDS = 4
 
 # NOTE [slice batches]
 # Two-shot's phase 1 (a row of every other slice: load from x, store to its owner or to my copy) and
@@ -118,25 +77,10 @@ def slice_batch(world: int, tiling: RowTiling) -> int:
     return 1 if world <= 2 else max(1, SLICE_BATCH_VECS // tiling.vecs_per_thread)
 
 
-# NOTE [batched copies]: the epilogue gather's copies (q and scale rows to the peers, then the
-# other shards' rows out of my q area) issue all of a batch's loads before its stores: a store
-# waits for its load, and in-order issue would otherwise pay one load latency per unit. The
-# copy-out batches the rows of COPY_BATCH shards (registers: 4 per 16-byte unit in flight).
-COPY_BATCH = 4
-
-
-def _unit_store(addr: Int64, val: tuple) -> None:
-    """Store one loaded unit (4 words: 16 bytes, 1 word: 4 bytes) at addr."""
-    if len(val) == 4:
-        st_volatile_sys_v4_u32(addr, *val)
-    else:
-        st_volatile_u32(addr, val[0])
-
-
 class TwoShot:
-    """The two-shot and reduce-scatter algorithms of AllReduceAddRMSNormQuant (which provides
-    self.t, self.core, self.world, self.slice_batch, self.pull_scatter, self.pull_gather,
-    self.gather_acc and the helpers named in the module docstring)."""
+    """The two-shot algorithm of AllReduceAddRMSNormQuant (which provides self.t, self.core,
+    self.world, self.slice_batch, self.pull_scatter, self.pull_gather, self.gather_acc and the
+    helpers named in the module docstring)."""
 
     def _slice_frags(self, rT) -> list:
         """One register fragment per slice of a batch (NOTE [slice batches]), rT the first."""
@@ -185,196 +129,6 @@ class TwoShot:
                             off = slot_elems * Int64(rank) + Int64(i) * hidden
                             self.core.store_row(frags[s - b0], self._row_view(mBuf[s], off, dtype),
                                                 lane, dtype)
-
-    @cute.jit
-    def _reducescatter(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
-                       rank: Int32, eps: Float32, timeout: Int64, rows: Int32, slice_rows: Int32,
-                       groups: Int32, own_pad: Int64):
-        """Sequence-parallel form: two-shot's reduce-scatter, then the epilogue of my shard only,
-        into shard-local outputs (residual, y, q, scales have the shard's rows; `rows`: the shard's
-        rows of the scale layout). No gather: collectives/seqpar.py gathers q and scales."""
-        t = self.t
-        dtype = mX.element_type
-        tidx, bidx, nblk, row_in_cta, lane = self._indices()
-        m = mX.shape[0]
-        hidden = Int64(t.hidden)
-        slot_elems = Int64(slice_rows) * hidden
-        local = m - rank * slice_rows  # rows of my shard
-        if local > slice_rows:
-            local = slice_rows
-        if const_expr(self.q.swizzled):  # NOTE [padding words] in kernels/allreduce.py
-            pad_from = local  # a trailing rank's shard may be empty (local <= 0)
-            if pad_from < Int32(0):
-                pad_from = Int32(0)
-            self.core.store_padding_words(mS, pad_from, bidx * Int32(t.threads) + tidx,
-                                          nblk * Int32(t.threads))
-        bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
-                                                                         lane)
-        may_push = self._may_push(own_pad)
-        sig = self._describe_launch(own_pad, m)
-        push_groups = (slice_rows + t.rows_per_cta - 1) // t.rows_per_cta
-        q_base = Int64(0)  # my row 0 of the full q (NOTE [gather in the epilogue])
-        s_base = Int64(0)  # and of the full scales, when they go with q
-        if const_expr(self.gather_q):
-            q_base = mQ.iterator.toint()
-        if const_expr(self.gather_scales):
-            s_base = mS.iterator.toint()
-        if const_expr(self.rs_rounds == 1):
-            self._push_slices(mX, mBuf, rank, slice_rows, push_groups, bidx, nblk, row_in_cta,
-                              lane, rT, dtype, may_push)
-            failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
-
-            base = mBuf[rank]
-            for g in range(bidx, self._unless_failed(failed, groups), nblk):
-                self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank, row_in_cta,
-                                  lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT,
-                                  static_inv, global_scale, bufs, rW, dtype, mBuf, q_base, s_base)
-        else:
-            # NOTE [reduce-scatter rounds]
-            mine = Int32(0)  # my push groups: g = bidx + k * nblk, k < mine
-            if bidx < push_groups:
-                mine = (push_groups - bidx + nblk - 1) // nblk
-            rounds = mine
-            if rounds > Int32(self.rs_rounds):
-                rounds = Int32(self.rs_rounds)
-            if rounds < Int32(1):
-                rounds = Int32(1)
-            step = (mine + rounds - 1) // rounds * nblk  # one round's span of g
-            end = bidx + step
-            if end > push_groups:
-                end = push_groups
-            self._push_slices(mX, mBuf, rank, slice_rows, end, bidx, nblk, row_in_cta, lane, rT,
-                              dtype, may_push)
-            failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
-            base = mBuf[rank]
-            for r in range(rounds):
-                g0 = bidx + r * step
-                if r + 1 < rounds:  # the next round's rows leave while this round's are finished
-                    end = g0 + 2 * step
-                    if end > push_groups:
-                        end = push_groups
-                    self._push_slices(mX, mBuf, rank, slice_rows, self._unless_failed(failed, end),
-                                      g0 + step, nblk, row_in_cta, lane, rT, dtype, may_push)
-                end = g0 + step
-                if end > push_groups:
-                    end = push_groups
-                for g in range(g0, self._unless_failed(failed, end), nblk):
-                    self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank,
-                                      row_in_cta, lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS,
-                                      rH, rR, rT, static_inv, global_scale, bufs, rW, dtype, mBuf,
-                                      q_base, s_base)
-                if r + 1 < rounds:
-                    failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig) | failed
-        # nobody may overwrite a slot (next call) that a peer still reads
-        done = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
-        if const_expr(self.gather_q):  # NOTE [gather in the epilogue]
-            self._copy_out_q(mBuf, q_base, s_base, m, slice_rows, rank,
-                             self._unless_failed(done | failed, groups), bidx, nblk, row_in_cta,
-                             lane)
-
-    @cute.jit
-    def _shard_group(self, g: Int32, local: Int32, rows: Int32, base: Int64, slot_elems: Int64,
-                     slice_rows: Int32, rank: Int32, row_in_cta: Int32, lane: Int32, eps: Float32,
-                     mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT, static_inv, global_scale, bufs,
-                     rW, dtype: cutlass.Constexpr, mBuf, q_base: Int64, s_base: Int64):
-        """Row group g of my shard: the ordered sum of its slots, the residual add, the epilogue
-        into the shard-local outputs (rows < local are real; rows < `rows` have scales); with
-        gather_q its q rows (and with gather_scales their scales) then go to every peer (NOTE
-        [gather in the epilogue])."""
-        i = g * self.t.rows_per_cta + row_in_cta
-        row_valid = i < local
-        self._reduce_row(rH, rR, rT, mX, mR, mRout, mAR, base, slot_elems, i,
-                         rank * slice_rows + i, i, row_valid, rank, lane, dtype)
-        self.core.epilogue(rH, i, row_valid, i < rows, lane, row_in_cta, eps, mW, mY, mQ, mS,
-                           static_inv, global_scale, bufs, rW)
-        cute.arch.barrier()  # shared-memory partials are reused by the next row; q rows visible
-        if const_expr(self.gather_q):
-            if row_valid:
-                # NOTE [batched copies]: every unit of the row's q and scales loaded, then stored
-                row = Int64(rank) * Int64(slice_rows) + Int64(i)
-                parts = [(q_base + Int64(i) * Int64(self.q_row_bytes),
-                          row * Int64(self.q_row_bytes), self.q_row_bytes)]
-                if const_expr(self.gather_scales):
-                    parts.append((s_base + Int64(i) * Int64(self.s_row_bytes),
-                                  self._scale_area(slice_rows) + row * Int64(self.s_row_bytes),
-                                  self.s_row_bytes))
-                loaded = []
-                for p in cutlass.range_constexpr(len(parts)):
-                    loaded.append(self._unit_loads(parts[p][0], lane, parts[p][2]))
-                for p in cutlass.range_constexpr(len(parts)):
-                    unit, units, per_lane = self._units(parts[p][2])
-                    for k in cutlass.range_constexpr(per_lane):
-                        u = lane + Int32(k * self.t.threads_per_row)
-                        if u < Int32(units):
-                            for s in cutlass.range_constexpr(self.world):
-                                if Int32(s) != rank:
-                                    _unit_store(mBuf[self.world + s] + parts[p][1]
-                                                + Int64(u) * Int64(unit), loaded[p][k])
-
-    def _scale_area(self, slice_rows: Int32) -> Int64:
-        """Byte offset of the gathered scale rows in a q area: after the world * S q rows."""
-        return Int64(self.world) * Int64(slice_rows) * Int64(self.q_row_bytes)
-
-    def _units(self, row_bytes: int) -> tuple:
-        """(unit bytes, units, units per lane) of a row_bytes-byte row: 16-byte units, or 4-byte
-        ones for rows of another multiple of 4 (per-token scales); the row's threads take units
-        lane, lane + threads_per_row, ..."""
-        unit = 16 if row_bytes % 16 == 0 else 4
-        units = row_bytes // unit
-        return unit, units, -(-units // self.t.threads_per_row)
-
-    def _unit_loads(self, src: Int64, lane: Int32, row_bytes: int) -> list:
-        """This lane's units of the row at src, all loads issued before any use (NOTE [batched
-        copies]); a lane past the row's units loads unit 0 (its store is skipped). Volatile
-        loads: they bypass L1, so they see what other threads of the CTA (the epilogue) and the
-        peers (the pushes) stored."""
-        unit, units, per_lane = self._units(row_bytes)
-        vals = []
-        for k in range(per_lane):
-            u = lane + Int32(k * self.t.threads_per_row)
-            if units % self.t.threads_per_row:
-                u = u * Int32(u < Int32(units))
-            at = src + Int64(u) * Int64(unit)
-            vals.append(ld_volatile_sys_v4_u32(at) if unit == 16 else (ld_volatile_sys_u32(at),))
-        return vals
-
-    @cute.jit
-    def _copy_out_q(self, mBuf, q_base: Int64, s_base: Int64, m: Int32, slice_rows: Int32,
-                    rank: Int32, groups: Int32, bidx: Int32, nblk: Int32, row_in_cta: Int32,
-                    lane: Int32):
-        """NOTE [gather in the epilogue]: the other shards' q rows (and scale rows) of my row
-        groups, from my q area into their rows of the full q (row s * S + i at q_base + ((s -
-        rank) * S + i) rows) and of the full scales."""
-        own = mBuf[self.world + rank]
-        qrb = Int64(self.q_row_bytes)
-        srb = Int64(self.s_row_bytes)
-        kinds = [(Int64(0), qrb, q_base, self.q_row_bytes)]
-        if const_expr(self.gather_scales):
-            kinds.append((self._scale_area(slice_rows), srb, s_base, self.s_row_bytes))
-        for g in range(bidx, groups, nblk):
-            i = g * self.t.rows_per_cta + row_in_cta
-            # NOTE [batched copies]: COPY_BATCH shards' rows loaded, then stored
-            for s0 in cutlass.range_constexpr(0, self.world, COPY_BATCH):
-                oks, dsts, loaded = [], [], []
-                for s in cutlass.range_constexpr(s0, min(self.world, s0 + COPY_BATCH)):
-                    rows_s = m - Int32(s) * slice_rows  # shard s's rows
-                    if rows_s > slice_rows:
-                        rows_s = slice_rows
-                    ok = (Int32(s) != rank) & (i < rows_s)
-                    row = Int64(s) * Int64(slice_rows) + Int64(i)
-                    mine = row - Int64(rank) * Int64(slice_rows)  # the row in my views
-                    read = row * Int64(Int32(ok))  # row 0 when skipped: a valid address
-                    for kd in cutlass.range_constexpr(len(kinds)):
-                        area, rb, base, nbytes = kinds[kd]
-                        oks.append(ok)
-                        dsts.append((base + mine * rb, nbytes))
-                        loaded.append(self._unit_loads(own + area + read * rb, lane, nbytes))
-                for c in cutlass.range_constexpr(len(oks)):
-                    unit, units, per_lane = self._units(dsts[c][1])
-                    for k in cutlass.range_constexpr(per_lane):
-                        u = lane + Int32(k * self.t.threads_per_row)
-                        if oks[c] & (u < Int32(units)):
-                            _unit_store(dsts[c][0] + Int64(u) * Int64(unit), loaded[c][k])
 
     @cute.jit
     def _gather_row(self, rH, rA, dst: Int64, gather_h: Int64, gather_a: Int64, row: Int32,

@@ -15,19 +15,19 @@ every rank reads the other slices' full rows of gathered h from its local buffer
 residual_out and runs the epilogue. Gathering T(h)
 instead of T(acc) keeps h = T(acc + float(res)) exact (one rounding of the float32 sum) and
 bitwise identical on all ranks. No third barrier (NOTE [two-shot final barrier]).
-  Buffer: scatter [N][S][H] T in the lower half; gather h [N*S][H] T, then (optional) gather acc
-  [N*S][H] T in the upper half (table entries N + s; NOTE [push and gather halves] in
-  collectives/layout.py).
-  
+Buffer: scatter [N][S][H] T in the lower half; gather h [N*S][H] T, then (optional) gather acc
+[N*S][H] T in the upper half (table entries N + s; NOTE [push and gather halves] in
+collectives/layout.py).
+
 NOTE [two-shot forms]: `form` (plan.TWOSHOT_FORMS, a Tuning knob: same bits, other traffic)
-  chooses who moves the rows over NVLink. "push" is the above (remote stores in both exchanges).
-  "pull-gather": phase 2 writes T(h) (and T(acc)) of my slice into MY gather area only, and phase 3
-  loads the other slices' rows from their owners' gather areas (remote loads; nothing pushed).
-  "pull": in addition phase 1 only copies my x rows of the other slices into my own buffer (row
-  `row` of the scatter area, which has N*S rows: local HBM traffic), and phase 2 loads row
-  rank*S+i of every peer's copy (all N-1 remote loads in flight, summed in rank order as before).
-  Every dependency stays between same-index CTAs (the copy loop walks the push loop's rows), the
-  barriers stay two, and the float32 operations are the same, so the bits are.
+chooses who moves the rows over NVLink. "push" is the above (remote stores in both exchanges).
+"pull-gather": phase 2 writes T(h) (and T(acc)) of my slice into MY gather area only, and phase 3
+loads the other slices' rows from their owners' gather areas (remote loads; nothing pushed).
+"pull": in addition phase 1 only copies my x rows of the other slices into my own buffer (row
+`row` of the scatter area, which has N*S rows: local HBM traffic), and phase 2 loads row
+rank*S+i of every peer's copy (all N-1 remote loads in flight, summed in rank order as before).
+Every dependency stays between same-index CTAs (the copy loop walks the push loop's rows), the
+barriers stay two, and the float32 operations are the same, so the bits are.
 
 NOTE [two-shot final barrier]
 Why two-shot has no third barrier (one-shot and reduce-scatter keep theirs). After barrier 2 a rank

@@ -44,6 +44,10 @@ def main():
     ap.add_argument("--hidden", type=int, nargs="*", default=[4096, 8192])
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--cases", default="", help="regex: run only the cases whose name matches")
+    ap.add_argument("--buffer-mib", type=int, default=0,
+                    help="workspace data buffer (MiB; default: sized from the largest M and H, "
+                         "which also sizes lamport's areas: a run whose largest M is small chunks "
+                         "lamport calls sooner than a user's default 64 MiB workspace would)")
     ap.add_argument("--tuning", nargs="*", default=[],
                     help="extra distnorm variants NAME:pdl=0|1,rpc=N,rpcts=N (rows per CTA of lamport and "
                          "one-shot / of two-shot),form=push|pull-gather|pull (two-shot),"
@@ -60,7 +64,8 @@ def main():
     dev = torch.device("cuda", torch.cuda.current_device())
     group = dist.group.WORLD
     max_m, max_h = max(args.tokens), max(args.hidden)
-    ws = Workspace(group, buffer_bytes=min(1 << 30, world * max_m * max_h * 2) + (16 << 20))
+    ws = Workspace(group, buffer_bytes=(args.buffer_mib << 20)
+                   or min(1 << 30, world * max_m * max_h * 2) + (16 << 20))
     symm = None
     try:
         symm = SymmMemAllReduce(max_m * max_h, torch.bfloat16, dev, group)
@@ -137,7 +142,8 @@ def main():
     if rank == 0:
         meta = dict(device=torch.cuda.get_device_name(), world=world, command="torchrun --nproc-per-node %d %s" % (world, " ".join(sys.argv)),
                     torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())), date=time.strftime("%Y-%m-%d"),
-                    workspace_backend=ws.backend, flashinfer=FI is not None)
+                    workspace_backend=ws.backend, flashinfer=FI is not None,
+                    buffer_mib=ws.buffer_bytes >> 20)
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         json.dump(dict(meta=meta, rows=rows), open(args.out + ".json", "w"), indent=1)
         write_table(args.out + ".md", meta, rows)
@@ -186,7 +192,7 @@ def write_table(path, meta, rows):
     cols = [c for c in rows[0] if c not in ("M", "H", "MB")]
     lines = [f"# Fused all-reduce + add + RMSNorm (+quant), {meta['world']} x {meta['device']}", "",
              f"Command: `{meta['command']}`; torch {meta['torch']}, NCCL {meta['nccl']}, workspace backend "
-             f"{meta['workspace_backend']}, {meta['date']}. us per call: CUDA graph of 20 calls, median of 19 "
+             f"{meta['workspace_backend']} ({meta.get('buffer_mib', '?')} MiB buffer), {meta['date']}. us per call: CUDA graph of 20 calls, median of 19 "
              "replays queued back to back, max over ranks. dn_* = distnorm (norm: bf16 norm output; fp8: static FP8; nvfp4: "
              "swizzled scales; ar: plain all-reduce); fi_* = FlashInfer trtllm_allreduce_fusion (fp32 acc).", "",
              "| M | H | MB | " + " | ".join(cols) + " |", "|---:|---:|---:|" + "---:|" * len(cols)]

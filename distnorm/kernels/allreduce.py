@@ -81,7 +81,6 @@ from distnorm.kernels.sync import cta_barrier, ld_volatile_sys_u32, st_volatile_
 # slices are laid out over the padded rows. Lamport's grid is then the real rows' (as for formats
 # without padding), which also refills the previous call's area (NOTE [lamport clearing]): after
 # a larger call, fewer CTAs share that.
-PADDING_WORD_ALGOS = ("lamport",)  # and RS_ALGOS, by their own rows
 
 
 class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
@@ -146,7 +145,7 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
         if const_expr(self.algo == "twoshot"):
             slice_rows = (rows + self.world - 1) // self.world
         groups = (slice_rows + t.rows_per_cta - 1) // t.rows_per_cta
-        if const_expr(self.q.swizzled and self.algo in PADDING_WORD_ALGOS):
+        if const_expr(self.q.swizzled and self.algo == "lamport"):
             groups = (m + t.rows_per_cta - 1) // t.rows_per_cta  # NOTE [padding words]
         if const_expr(self.algo in RS_ALGOS):
             # shard rows of M (unpadded), then this rank's shard rows (padded for swizzled

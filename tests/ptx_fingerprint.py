@@ -60,6 +60,9 @@ ALLREDUCE = [
     # NOTE [two-shot forms]: loads instead of stores (both outputs gathered; block scales)
     ("twoshot", 4, "bfloat16", 4096, "pt", True, False, True, True, True, 0, "pull"),
     ("twoshot", 8, "bfloat16", 8192, "nvfp4s", True, False, False, False, True, 0, "pull-gather"),
+    # NOTE [wide two-shot]: a CTA per (slice, row group), pushed and pulled
+    ("twoshot", 4, "bfloat16", 4096, "fp8", True, False, False, False, True, 0, "pull-wide"),
+    ("twoshot", 8, "bfloat16", 8192, "nvfp4s", True, False, True, True, True, 0, "push-wide"),
     # NOTE [lamport polls]: only the vectors not yet arrived (ragged row: predicated vectors)
     ("lamport", 4, "float16", 2000, "pt", True, True, True, True, True, 0, "poll-unseen"),
     ("reducescatter", 2, "bfloat16", 4096, "pt", True, False, False, False, True, 0),

@@ -105,8 +105,9 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
         self.write_allreduce = write_allreduce
         self.pdl = pdl  # NOTE [programmatic dependent launch]
         # NOTE [two-shot forms], NOTE [lamport polls]
-        self.pull_scatter = algo == "twoshot" and form == "pull"
-        self.pull_gather = algo == "twoshot" and form in ("pull", "pull-gather")
+        self.pull_scatter = algo == "twoshot" and form in ("pull", "pull-wide")
+        self.pull_gather = algo == "twoshot" and form in ("pull", "pull-gather", "pull-wide")
+        self.wide = algo == "twoshot" and form.endswith("-wide")  # NOTE [wide two-shot]
         self.poll_unseen = algo == "lamport" and form == "poll-unseen"
         # NOTE [reduce-scatter rounds]
         self.rs_rounds = RS_ROUNDS if algo in RS_ALGOS and form == "pipelined" else 1
@@ -124,7 +125,8 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
         # signal-pad region: one-shot's / two-shot's barrier, lamport's call state
         self.region_word = region_word(ALGORITHMS[algo].region)
         self.core = NormQuantCore(tiling, quant, gemma, write_y)
-        self.slice_batch = slice_batch(world, tiling)  # NOTE [slice batches]
+        # NOTE [slice batches]; a wide two-shot's CTA moves one slice's rows
+        self.slice_batch = 1 if self.wide else slice_batch(world, tiling)
         # NOTE [call descriptor]: words 1-3 of this kernel's descriptor and its signature constant
         # (collectives/signature.py); word 0 is the launch's M
         self.desc = CallDescriptor(0, tiling.hidden, algo, dtype, quant, has_residual, write_y,
@@ -166,8 +168,14 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
                 if blocks > max_ctas - 1:
                     blocks = max_ctas - 1
                 blocks = blocks + 1
+        if const_expr(self.wide):  # NOTE [wide two-shot]: a CTA per (slice, row group)
+            blocks = groups * self.world
         if blocks > max_ctas:
             blocks = max_ctas
+        if const_expr(self.wide):  # whole sets of world CTAs, at least one
+            blocks = blocks // self.world * self.world
+            if blocks < Int32(self.world):
+                blocks = Int32(self.world)
         if blocks < 1:
             blocks = Int32(1)
         self.kernel(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr, rank, eps,

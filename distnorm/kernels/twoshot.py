@@ -29,6 +29,18 @@ rank*S+i of every peer's copy (all N-1 remote loads in flight, summed in rank or
 Every dependency stays between same-index CTAs (the copy loop walks the push loop's rows), the
 barriers stay two, and the float32 operations are the same, so the bits are.
 
+NOTE [wide two-shot]: "push-wide" and "pull-wide" move what "push" and "pull" move from a grid
+world times as wide: CTA b works on slice j = b // G only (G = grid / world, row groups b % G,
+b % G + G, ...). Phase 1: it moves slice j's rows (none when j is mine); phase 2: only the CTAs
+of my own slice reduce and finish its rows; phase 3: the CTAs of the other slices finish those.
+With one CTA per row group of every slice, a CTA's serial work at small M is one row move and
+one row's reduce or epilogue, where the default grid has every CTA move N - 1 rows and finish N
+(on 4 x H200 the fused two-shot at 128 x 4096 ran 16 CTAs: 16.6 us against torch's two-shot
+all-reduce alone at 14.2, benchmarks/results/allreduce_fusion_fi_h200_x4.md). Coverage holds
+as before: the row group g of slice j is moved by every rank's CTA b = j * G + g % G, reduced by
+its owner's (rank j's) CTA b after barrier 1 (which pairs the CTAs b), and read in phase 3 by
+every rank's CTA b after barrier 2. The same float32 operations per row: the same bits.
+
 NOTE [two-shot final barrier]
 Why two-shot has no third barrier (one-shot and reduce-scatter keep theirs). After barrier 2 a rank
 reads only gathered rows: in its own gather area, or in the pull forms its peers'. What could
@@ -88,19 +100,24 @@ class TwoShot:
 
     @cute.jit
     def _other_row(self, s: cutlass.Constexpr, i: Int32, slice_rows: Int32, m: Int32,
-                   rank: Int32):
-        """(row i of slice s, whether it is a row of x and not of my own slice): the rows this
-        rank moves for another slice's owner."""
+                   rank: Int32, only=None):
+        """(row i of slice s, whether it is a row of x and not of my own slice -- and, with
+        `only`, of slice `only`): the rows this rank moves for another slice's owner."""
         row = s * slice_rows + i
-        return row, (i < slice_rows) & (row < m) & (Int32(s) != rank)
+        moved = (i < slice_rows) & (row < m) & (Int32(s) != rank)
+        if const_expr(only is not None):
+            moved = moved & (Int32(s) == only)
+        return row, moved
 
     @cute.jit
     def _push_slices(self, mX, mBuf, rank: Int32, slice_rows: Int32, push_groups: Int32,
                      bidx: Int32, nblk: Int32, row_in_cta: Int32, lane: Int32, rT,
-                     dtype: cutlass.Constexpr, may_push: Int32):
+                     dtype: cutlass.Constexpr, may_push: Int32, only=None):
         """Reduce-scatter push: row i of slice s -> rank s, slot `rank`, row i (S = slice_rows
         rows per slot, push_groups >= ceil(S / rows_per_cta) row groups); my own slice stays in x.
         Rows are loaded in any case, stored only when may_push != 0 (NOTE [push guard]).
+        With `only` (a wide two-shot's slice, NOTE [wide two-shot]) the rows of that slice alone;
+        bidx, nblk are then the first group and the stride of the CTA's groups.
         The "pull" two-shot (NOTE [two-shot forms]) copies row s*S+i to row s*S+i of my own buffer
         instead, for its owner to load."""
         t = self.t
@@ -115,12 +132,12 @@ class TwoShot:
             i = g * t.rows_per_cta + row_in_cta
             for b0 in cutlass.range_constexpr(0, self.world, self.slice_batch):  # NOTE [slice batches]
                 for s in cutlass.range_constexpr(b0, min(self.world, b0 + self.slice_batch)):
-                    row, moved = self._other_row(s, i, slice_rows, m, rank)
+                    row, moved = self._other_row(s, i, slice_rows, m, rank, only)
                     if moved:
                         self.core.load_row(frags[s - b0], cute.zipped_divide(mX[row, None], (VEC,)),
                                            lane)
                 for s in cutlass.range_constexpr(b0, min(self.world, b0 + self.slice_batch)):
-                    row, moved = self._other_row(s, i, slice_rows, m, rank)
+                    row, moved = self._other_row(s, i, slice_rows, m, rank, only)
                     if moved & (may_push != Int32(0)):
                         if const_expr(self.pull_scatter):
                             self.core.store_row(frags[s - b0], self._row_view(
@@ -160,10 +177,15 @@ class TwoShot:
         rA = self.core.zeros(Float32)
         may_push = self._may_push(own_pad)
         sig = self._describe_launch(own_pad, m)
+        first, step, only = bidx, nblk, None  # my row groups: first, first + step, ...
+        if const_expr(self.wide):  # NOTE [wide two-shot]: and only slice `only`'s rows
+            step = nblk // self.world
+            only = bidx // step
+            first = bidx - only * step
 
         # phase 1 (reduce-scatter push); my own slice stays in x (phase 2 reads it there)
-        self._push_slices(mX, mBuf, rank, slice_rows, groups, bidx, nblk, row_in_cta, lane, rT,
-                          dtype, may_push)
+        self._push_slices(mX, mBuf, rank, slice_rows, groups, first, step, row_in_cta, lane, rT,
+                          dtype, may_push, only)
         failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
 
         # phase 2: reduce my slice, residual add, push T(h) (and T(acc)) to the other ranks' gather
@@ -171,7 +193,11 @@ class TwoShot:
         # instead of re-reading h in phase 3
         base = mBuf[rank]
         gbase = mBuf[self.world + rank]
-        for g in range(bidx, self._unless_failed(failed, groups), nblk):
+        mine = self._unless_failed(failed, groups)
+        if const_expr(self.wide):
+            if only != rank:  # another slice's CTA: nothing to reduce here
+                mine = Int32(0)
+        for g in range(first, mine, step):
             i = g * t.rows_per_cta + row_in_cta
             row = rank * slice_rows + i
             row_valid = (i < slice_rows) & (row < m)
@@ -211,12 +237,16 @@ class TwoShot:
         # phase 3: the other ranks' slices: full rows of gathered h -> residual_out, allreduce_out,
         # epilogue
         gathered = self._slice_frags(rT)
-        for g in range(bidx, self._unless_failed(failed, groups), nblk):
+        others = self._unless_failed(failed, groups)
+        if const_expr(self.wide):
+            if only == rank:  # my own slice's CTA: finished in phase 2
+                others = Int32(0)
+        for g in range(first, others, step):
             i = g * t.rows_per_cta + row_in_cta
             for b0 in cutlass.range_constexpr(0, self.world, self.slice_batch):  # NOTE [slice batches]
                 if const_expr(self.slice_batch > 1):  # the batch's loads first
                     for s in cutlass.range_constexpr(b0, min(self.world, b0 + self.slice_batch)):
-                        row, moved = self._other_row(s, i, slice_rows, m, rank)
+                        row, moved = self._other_row(s, i, slice_rows, m, rank, only)
                         if moved:
                             self.core.load_row(gathered[s - b0], self._row_view(
                                 self._gather_source(gbase, mBuf, s), gather_h + Int64(row) * hidden,
@@ -225,7 +255,7 @@ class TwoShot:
                     self._gathered_row(gathered[s - b0], rT, rH, s, i, rank, slice_rows, m, rows,
                                        gbase, gather_h, gather_a, mBuf, mAR, mRout, mW, mY, mQ, mS,
                                        lane, row_in_cta, eps, static_inv, global_scale, bufs, rW,
-                                       dtype)
+                                       dtype, only)
         # no third barrier: NOTE [two-shot final barrier]
 
     @cute.jit
@@ -242,13 +272,16 @@ class TwoShot:
                       slice_rows: Int32, m: Int32, rows: Int32, gbase: Int64, gather_h: Int64,
                       gather_a: Int64, mBuf, mAR, mRout, mW, mY, mQ, mS, lane: Int32,
                       row_in_cta: Int32, eps: Float32, static_inv, global_scale, bufs, rW,
-                      dtype: cutlass.Constexpr):
+                      dtype: cutlass.Constexpr, only=None):
         """Two-shot phase 3 for row i of slice s: its gathered T(h) (in rG when batches loaded it,
         NOTE [slice batches]; loaded here into rT otherwise) -> residual_out, allreduce_out,
-        epilogue. Nothing for my own slice (uniform over the CTA: the epilogue's barriers stay
-        matched)."""
+        epilogue. Nothing for my own slice, nor with `only` (NOTE [wide two-shot]) for a slice
+        other than that (uniform over the CTA: the epilogue's barriers stay matched)."""
         hidden = Int64(self.t.hidden)
-        if Int32(s) != rank:
+        other = Int32(s) != rank
+        if const_expr(only is not None):
+            other = other & (Int32(s) == only)
+        if other:
             row = s * slice_rows + i
             row_valid = (i < slice_rows) & (row < m)
             rH.fill(0.0)

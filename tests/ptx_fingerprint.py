@@ -63,6 +63,9 @@ ALLREDUCE = [
     # NOTE [wide two-shot]: a CTA per (slice, row group), pushed and pulled
     ("twoshot", 4, "bfloat16", 4096, "fp8", True, False, False, False, True, 0, "pull-wide"),
     ("twoshot", 8, "bfloat16", 8192, "nvfp4s", True, False, True, True, True, 0, "push-wide"),
+    # NOTE [two-shot rounds]: the next round's rows pushed while this one is finished
+    ("twoshot", 2, "bfloat16", 8192, "fp8", True, False, False, False, True, 0, "push-rounds"),
+    ("twoshot", 4, "bfloat16", 4096, "nvfp4s", True, False, True, True, True, 0, "pull-rounds"),
     # NOTE [lamport polls]: only the vectors not yet arrived (ragged row: predicated vectors)
     ("lamport", 4, "float16", 2000, "pt", True, True, True, True, True, 0, "poll-unseen"),
     ("reducescatter", 2, "bfloat16", 4096, "pt", True, False, False, False, True, 0),

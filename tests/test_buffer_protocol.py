@@ -1,7 +1,8 @@
 """The data buffer's reuse across consecutive calls (NOTE [push and gather halves] in
 collectives/layout.py, NOTE [two-shot final barrier] in kernels/twoshot.py), model-checked on the
 CPU: every interleaving of 2 ranks of 2 CTAs each, and of 3 ranks of one CTA, through a few calls
-of one-shot and two-shot (push and pull forms) of different sizes.
+of one-shot and two-shot (push and pull forms, and their rounds: NOTE [two-shot rounds]) of
+different sizes.
 
 Each CTA runs its call's steps in order; a step writes or reads whole rows of the buffers (its
 own rows: row i belongs to CTA i % ctas); a barrier step lets CTA b pass once CTA b of every rank
@@ -22,35 +23,43 @@ SHAPES = [(2, 2), (3, 1)]
 
 
 def _twoshot_steps(world: int, rank: int, S: int, form: str, halves: bool,
-                   final_barrier: bool) -> list:
+                   final_barrier: bool, ctas: int = 1) -> list:
     """Two-shot's steps for `rank`: (kind, buffer owner or None for every peer, cells) with cells
     (region, index, row) of the rows moved; the gather rows in the upper half ("U") or right after
-    the scatter slots ("G", the old layout)."""
+    the scatter slots ("G", the old layout). Forms "push-rounds" / "pull-rounds" (NOTE [two-shot
+    rounds]) take each CTA's rows one round at a time (round of row i: i // ctas), the next
+    round's x pushed before this round is reduced; "...-rounds-late" pushes it after the round's
+    barrier instead (a wrong order, to show the model can fail)."""
     peers = [t for t in range(world) if t != rank]
     gather = (lambda k: ("U", k)) if halves else (lambda k: ("L", world * S + k))
-    steps = []
-    if form == "push":  # my rows of slice t -> slot `rank` of rank t
-        for t in peers:
-            steps.append(("write", t, [("L", rank * S + i, i) for i in range(S)]))
-    else:  # a copy of the other slices' rows in my own lower half, for their owners to load
-        steps.append(("write", rank, [("L", s * S + i, i) for s in peers for i in range(S)]))
-    steps.append(("barrier",))
-    if form == "push":  # my slice's slots
-        steps.append(("read", rank, [("L", s * S + i, i) for s in peers for i in range(S)]))
-    else:  # my slice's rows in every peer's copy
-        for t in peers:
-            steps.append(("read", t, [("L", rank * S + i, i) for i in range(S)]))
-    if form == "push":  # T(h) of my slice into every peer's gather rows
-        for t in peers:
-            steps.append(("write", t, [(*gather(rank * S + i), i) for i in range(S)]))
-    else:
-        steps.append(("write", rank, [(*gather(rank * S + i), i) for i in range(S)]))
-    steps.append(("barrier",))
-    if form == "push":  # the other slices' gathered rows
-        steps.append(("read", rank, [(*gather(s * S + i), i) for s in peers for i in range(S)]))
-    else:
-        for s in peers:
-            steps.append(("read", s, [(*gather(s * S + i), i) for i in range(S)]))
+    pushed = not form.startswith("pull")
+
+    def x_out(rows):  # push: my rows of slice t -> slot `rank` of rank t; pull: my own copy
+        if pushed:
+            return [("write", t, [("L", rank * S + i, i) for i in rows]) for t in peers]
+        return [("write", rank, [("L", s * S + i, i) for s in peers for i in rows])]
+
+    def reduce(rows):  # my slice's rows: its slots (push) or every peer's copy (pull), then T(h)
+        if pushed:
+            steps = [("read", rank, [("L", s * S + i, i) for s in peers for i in rows])]
+            return steps + [("write", t, [(*gather(rank * S + i), i) for i in rows]) for t in peers]
+        steps = [("read", t, [("L", rank * S + i, i) for i in rows]) for t in peers]
+        return steps + [("write", rank, [(*gather(rank * S + i), i) for i in rows])]
+
+    def finish(rows):  # the other slices' gathered rows
+        if pushed:
+            return [("read", rank, [(*gather(s * S + i), i) for s in peers for i in rows])]
+        return [("read", s, [(*gather(s * S + i), i) for i in rows]) for s in peers]
+
+    rounds = [list(range(S))]
+    if "-rounds" in form:
+        rounds = [[i for i in range(S) if i // ctas == r] for r in range(-(-S // ctas))]
+    late = form.endswith("-late")
+    steps = x_out(rounds[0]) + [("barrier",)]
+    for r, rows in enumerate(rounds):
+        nxt = x_out(rounds[r + 1]) if r + 1 < len(rounds) else []
+        steps += (nxt if not late else []) + reduce(rows) + [("barrier",)] \
+            + (nxt if late else []) + finish(rows)
     if final_barrier:
         steps.append(("barrier",))
     return steps
@@ -96,7 +105,7 @@ def _program(world: int, ctas: int, calls: list, rank: int, halves: bool,
         elif algo == "rsgather":
             steps = _rsgather_steps(world, rank, size, early=form == "early")
         else:
-            steps = _twoshot_steps(world, rank, size, form, halves, final_barrier)
+            steps = _twoshot_steps(world, rank, size, form, halves, final_barrier, ctas)
         per_cta = []
         for b in range(ctas):
             mine = []
@@ -227,6 +236,38 @@ def test_epilogue_gather_reads_only_its_own_call(name, shape):
     and its copy-out after the final barrier meet no other call's rows, before or after any
     algorithm."""
     assert _bad_reads(shape, RSGATHER_SEQUENCES[name], halves=True, final_barrier=False) == set()
+
+
+# NOTE [two-shot rounds]: every CTA's rows in two rounds, before and after the one-round forms
+ROUNDS_SEQUENCES = {
+    "push-rounds": [("twoshot", 2, "push-rounds"), ("twoshot", 2, "push-rounds")],
+    "pull-rounds": [("twoshot", 2, "pull-rounds"), ("twoshot", 2, "pull-rounds")],
+    "rounds-push-oneshot": [("twoshot", 2, "push-rounds"), ("twoshot", 1, "push"),
+                            ("oneshot", 2, None)],
+    "pull-pull-rounds": [("twoshot", 1, "pull"), ("twoshot", 2, "pull-rounds")],
+}
+
+
+def _scaled(calls: list, ctas: int) -> list:
+    """The calls with `ctas` times the rows: every CTA keeps the rows per CTA of the 1-CTA model."""
+    return [(algo, size * ctas, form) for algo, size, form in calls]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}ranks{s[1]}ctas")
+@pytest.mark.parametrize("name", ROUNDS_SEQUENCES)
+def test_twoshot_rounds_read_only_their_own_call(name, shape):
+    """NOTE [two-shot rounds]: one barrier per round (the next round's pushes before it) reads no
+    other call's rows and no row before it landed."""
+    calls = _scaled(ROUNDS_SEQUENCES[name], shape[1])
+    assert _bad_reads(shape, calls, halves=True, final_barrier=False) == set()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}ranks{s[1]}ctas")
+@pytest.mark.parametrize("form", ["push-rounds-late", "pull-rounds-late"])
+def test_twoshot_rounds_model_can_fail(form, shape):
+    """With the next round's pushes after the round's barrier a rank reads rows not yet pushed."""
+    calls = _scaled([("twoshot", 2, form)], shape[1])
+    assert _bad_reads(shape, calls, halves=True, final_barrier=False) != set()
 
 
 def test_epilogue_gather_model_can_fail():

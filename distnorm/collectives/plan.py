@@ -135,9 +135,12 @@ def _default_rows_per_cta() -> dict:
 # Who moves the rows of a two-shot call over NVLink (NOTE [two-shot forms] in kernels/twoshot.py):
 # "push" (remote stores in both exchanges), "pull-gather" (stores, then loads), "pull" (loads in
 # both, after a local copy of x); "push-wide" / "pull-wide": the same traffic from a grid world
-# times as wide, a CTA per (slice, row group) (NOTE [wide two-shot]). Tuning's default "auto" picks by world size and bytes
+# times as wide, a CTA per (slice, row group) (NOTE [wide two-shot]); "push-rounds" / "pull-rounds":
+# a CTA's rows in rounds, the next round's crossing the link while this one is finished (NOTE
+# [two-shot rounds]). Tuning's default "auto" picks by world size and bytes
 # (SIZED_FORMS).
-TWOSHOT_FORMS = ("push", "pull-gather", "pull", "push-wide", "pull-wide")
+TWOSHOT_FORMS = ("push", "pull-gather", "pull", "push-wide", "pull-wide", "push-rounds",
+                 "pull-rounds")
 # How a lamport reader polls (NOTE [lamport polls] in kernels/lamport.py): "poll-all" re-reads every
 # slot each pass, "poll-unseen" only the vectors not yet arrived. "poll-all" is what the tables
 # above measured; "poll-unseen" is to be measured.

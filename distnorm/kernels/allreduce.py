@@ -60,7 +60,7 @@ from distnorm.kernels.lamport import LamportOneShot
 from distnorm.kernels.norm_quant import NormQuantCore
 from distnorm.kernels.tiling import RowTiling
 from distnorm.kernels.reducescatter import RS_ALGOS, RS_ROUNDS, ReduceScatter
-from distnorm.kernels.twoshot import TwoShot, slice_batch
+from distnorm.kernels.twoshot import TS_ROUNDS, TwoShot, slice_batch
 from distnorm.kernels.sync import cta_barrier, ld_volatile_sys_u32, st_volatile_sys_v4_u32
 
 
@@ -105,9 +105,12 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
         self.write_allreduce = write_allreduce
         self.pdl = pdl  # NOTE [programmatic dependent launch]
         # NOTE [two-shot forms], NOTE [lamport polls]
-        self.pull_scatter = algo == "twoshot" and form in ("pull", "pull-wide")
-        self.pull_gather = algo == "twoshot" and form in ("pull", "pull-gather", "pull-wide")
+        self.pull_scatter = algo == "twoshot" and form in ("pull", "pull-wide", "pull-rounds")
+        self.pull_gather = algo == "twoshot" and form in ("pull", "pull-gather", "pull-wide",
+                                                          "pull-rounds")
         self.wide = algo == "twoshot" and form.endswith("-wide")  # NOTE [wide two-shot]
+        # NOTE [two-shot rounds]
+        self.ts_rounds = TS_ROUNDS if algo == "twoshot" and form.endswith("-rounds") else 1
         self.poll_unseen = algo == "lamport" and form == "poll-unseen"
         # NOTE [reduce-scatter rounds]
         self.rs_rounds = RS_ROUNDS if algo in RS_ALGOS and form == "pipelined" else 1

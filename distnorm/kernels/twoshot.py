@@ -70,7 +70,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from distnorm.formats import VEC
 from distnorm.kernels.tiling import RowTiling
 
-__all__ = ["TwoShot", "slice_batch", "SLICE_BATCH_VECS"]
+__all__ = ["TwoShot", "slice_batch", "SLICE_BATCH_VECS", "TS_ROUNDS"]
 
 
 # NOTE [slice batches]
@@ -82,6 +82,21 @@ __all__ = ["TwoShot", "slice_batch", "SLICE_BATCH_VECS"]
 # batch's loads first, then its stores / epilogues, SLICE_BATCH_VECS vectors in flight per thread
 # (a batch is one slice at world 2, which keeps that kernel as it was).
 SLICE_BATCH_VECS = 16
+
+# NOTE [two-shot rounds]
+# The "-rounds" forms (push-rounds, pull-rounds) cut a CTA's row groups into up to TS_ROUNDS rounds
+# and push round r + 1's rows before reducing round r: iteration r is [push x of round r + 1]
+# [phase 2 of round r, its h pushed] [barrier] [phase 3 of round r], after a first [push x of round
+# 0] [barrier]. So x rows cross the link while earlier rows are reduced and finished, where the
+# one-round forms leave the link idle during phase 3 (at 8192 x 8192 on 4 ranks about 250 MB of
+# local traffic per rank, ~70 us of the 650 measured). One barrier per round serves both
+# exchanges: it follows the pushes of round r + 1 and the h of round r in every rank's program
+# order, so after it phase 2 of round r + 1 and phase 3 of round r read only rows that landed;
+# each round's rows are other rows, written once. With one round this is exactly the one-round
+# form (two barriers). The last round's phase 3 reads gathered rows as before, so NOTE [two-shot
+# final barrier] holds unchanged; every rank's same-index CTA has the same groups, hence the same
+# rounds and barriers; the float32 operations per row are the same, so are the bits.
+TS_ROUNDS = 4
 
 
 def slice_batch(world: int, tiling: RowTiling) -> int:
@@ -165,8 +180,7 @@ class TwoShot:
         _, bidx, nblk, row_in_cta, lane = self._indices()
         m = mX.shape[0]
         hidden = Int64(t.hidden)
-        sl = Int64(slice_rows)
-        slot_elems = sl * hidden                       # one scatter slot: S rows
+        slot_elems = Int64(slice_rows) * hidden        # one scatter slot: S rows
         # the gather areas, in the upper half (table entries world + s: NOTE [push and gather
         # halves]): h of N*S rows, then T(acc) (when asked)
         gather_h = Int64(0)
@@ -184,20 +198,74 @@ class TwoShot:
             first = bidx - only * step
 
         # phase 1 (reduce-scatter push); my own slice stays in x (phase 2 reads it there)
-        self._push_slices(mX, mBuf, rank, slice_rows, groups, first, step, row_in_cta, lane, rT,
-                          dtype, may_push, only)
-        failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+        if const_expr(self.ts_rounds == 1):
+            self._push_slices(mX, mBuf, rank, slice_rows, groups, first, step, row_in_cta, lane,
+                              rT, dtype, may_push, only)
+            failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+            self._twoshot_round(first, groups, step, failed, only, mX, mR, mRout, mW, mY, mQ, mS,
+                                mAR, mBuf, mSig, mErr, rank, eps, timeout, rows, slice_rows, sig,
+                                bidx, row_in_cta, lane, bufs, rT, rR, rH, rA, static_inv,
+                                global_scale, rW, dtype, hidden, slot_elems, gather_h,
+                                gather_a)
+        else:
+            # NOTE [two-shot rounds]: my groups cut into rounds of `span` (in g), the next round's
+            # rows pushed before this round is reduced and finished
+            mine = Int32(0)  # my groups: g = first + k * step, k < mine
+            if first < groups:
+                mine = (groups - first + step - 1) // step
+            rounds = mine
+            if rounds > Int32(self.ts_rounds):
+                rounds = Int32(self.ts_rounds)
+            if rounds < Int32(1):
+                rounds = Int32(1)
+            span = (mine + rounds - 1) // rounds * step
+            end = first + span
+            if end > groups:
+                end = groups
+            self._push_slices(mX, mBuf, rank, slice_rows, end, first, step, row_in_cta, lane, rT,
+                              dtype, may_push, only)
+            failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+            for r in range(rounds):
+                g0 = first + r * span
+                end = g0 + span
+                if end > groups:
+                    end = groups
+                if r + 1 < rounds:
+                    nxt = end + span
+                    if nxt > groups:
+                        nxt = groups
+                    self._push_slices(mX, mBuf, rank, slice_rows, self._unless_failed(failed, nxt),
+                                      end, step, row_in_cta, lane, rT, dtype, may_push, only)
+                failed = self._twoshot_round(g0, end, step, failed, only, mX, mR, mRout, mW, mY,
+                                             mQ, mS, mAR, mBuf, mSig, mErr, rank, eps, timeout,
+                                             rows, slice_rows, sig, bidx, row_in_cta, lane, bufs,
+                                             rT, rR, rH, rA, static_inv, global_scale, rW, dtype,
+                                             hidden, slot_elems, gather_h, gather_a)
+        # no third barrier: NOTE [two-shot final barrier]
 
+    @cute.jit
+    def _twoshot_round(self, g0: Int32, g1: Int32, step: Int32, failed: Int32, only, mX, mR,
+                       mRout, mW, mY, mQ, mS, mAR, mBuf, mSig, mErr, rank: Int32, eps: Float32,
+                       timeout: Int64, rows: Int32, slice_rows: Int32, sig: Int32, bidx: Int32,
+                       row_in_cta: Int32, lane: Int32, bufs, rT, rR, rH, rA, static_inv,
+                       global_scale, rW, dtype: cutlass.Constexpr, hidden: Int64,
+                       slot_elems: Int64, gather_h: Int64, gather_a: Int64) -> Int32:
+        """Two-shot phases 2 and 3 for my row groups g0, g0 + step, ... < g1 (all of them, or one
+        round's: NOTE [two-shot rounds]), the barrier between them included; returns `failed`
+        with that barrier's outcome. hidden, slot_elems (one scatter slot's elements), gather_h /
+        gather_a (the gather areas' element offsets) as _twoshot computes them."""
+        t = self.t
+        m = mX.shape[0]
         # phase 2: reduce my slice, residual add, push T(h) (and T(acc)) to the other ranks' gather
         # areas, then finish my slice's rows here: their epilogue overlaps the NVLink traffic
         # instead of re-reading h in phase 3
         base = mBuf[rank]
         gbase = mBuf[self.world + rank]
-        mine = self._unless_failed(failed, groups)
+        mine = self._unless_failed(failed, g1)
         if const_expr(self.wide):
             if only != rank:  # another slice's CTA: nothing to reduce here
                 mine = Int32(0)
-        for g in range(first, mine, step):
+        for g in range(g0, mine, step):
             i = g * t.rows_per_cta + row_in_cta
             row = rank * slice_rows + i
             row_valid = (i < slice_rows) & (row < m)
@@ -237,11 +305,11 @@ class TwoShot:
         # phase 3: the other ranks' slices: full rows of gathered h -> residual_out, allreduce_out,
         # epilogue
         gathered = self._slice_frags(rT)
-        others = self._unless_failed(failed, groups)
+        others = self._unless_failed(failed, g1)
         if const_expr(self.wide):
             if only == rank:  # my own slice's CTA: finished in phase 2
                 others = Int32(0)
-        for g in range(first, others, step):
+        for g in range(g0, others, step):
             i = g * t.rows_per_cta + row_in_cta
             for b0 in cutlass.range_constexpr(0, self.world, self.slice_batch):  # NOTE [slice batches]
                 if const_expr(self.slice_batch > 1):  # the batch's loads first
@@ -256,7 +324,7 @@ class TwoShot:
                                        gbase, gather_h, gather_a, mBuf, mAR, mRout, mW, mY, mQ, mS,
                                        lane, row_in_cta, eps, static_inv, global_scale, bufs, rW,
                                        dtype, only)
-        # no third barrier: NOTE [two-shot final barrier]
+        return failed
 
     @cute.jit
     def _gather_source(self, gbase: Int64, mBuf, s: cutlass.Constexpr) -> Int64:

@@ -123,18 +123,8 @@ class ReduceScatter:
                                   static_inv, global_scale, bufs, rW, dtype, mBuf, q_base, s_base)
         else:
             # NOTE [reduce-scatter rounds]
-            mine = Int32(0)  # my push groups: g = bidx + k * nblk, k < mine
-            if bidx < push_groups:
-                mine = (push_groups - bidx + nblk - 1) // nblk
-            rounds = mine
-            if rounds > Int32(self.rs_rounds):
-                rounds = Int32(self.rs_rounds)
-            if rounds < Int32(1):
-                rounds = Int32(1)
-            step = (mine + rounds - 1) // rounds * nblk  # one round's span of g
-            end = bidx + step
-            if end > push_groups:
-                end = push_groups
+            # one round's span of g is `step`
+            rounds, step, end = self._rounds(bidx, nblk, push_groups, self.rs_rounds)
             self._push_slices(mX, mBuf, rank, slice_rows, end, bidx, nblk, row_in_cta, lane, rT,
                               dtype, may_push)
             failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)

@@ -125,6 +125,25 @@ class TwoShot:
         return row, moved
 
     @cute.jit
+    def _rounds(self, first: Int32, step: Int32, groups: Int32, most: cutlass.Constexpr):
+        """(rounds, span, end of round 0) of a CTA's row groups first, first + step, ... < groups
+        cut into at most `most` rounds of `span` (a multiple of step) in g (NOTE [two-shot
+        rounds], NOTE [reduce-scatter rounds])."""
+        mine = Int32(0)  # my groups: g = first + k * step, k < mine
+        if first < groups:
+            mine = (groups - first + step - 1) // step
+        rounds = mine
+        if rounds > Int32(most):
+            rounds = Int32(most)
+        if rounds < Int32(1):
+            rounds = Int32(1)
+        span = (mine + rounds - 1) // rounds * step
+        end = first + span
+        if end > groups:
+            end = groups
+        return rounds, span, end
+
+    @cute.jit
     def _push_slices(self, mX, mBuf, rank: Int32, slice_rows: Int32, push_groups: Int32,
                      bidx: Int32, nblk: Int32, row_in_cta: Int32, lane: Int32, rT,
                      dtype: cutlass.Constexpr, may_push: Int32, only=None):
@@ -210,18 +229,7 @@ class TwoShot:
         else:
             # NOTE [two-shot rounds]: my groups cut into rounds of `span` (in g), the next round's
             # rows pushed before this round is reduced and finished
-            mine = Int32(0)  # my groups: g = first + k * step, k < mine
-            if first < groups:
-                mine = (groups - first + step - 1) // step
-            rounds = mine
-            if rounds > Int32(self.ts_rounds):
-                rounds = Int32(self.ts_rounds)
-            if rounds < Int32(1):
-                rounds = Int32(1)
-            span = (mine + rounds - 1) // rounds * step
-            end = first + span
-            if end > groups:
-                end = groups
+            rounds, span, end = self._rounds(first, step, groups, self.ts_rounds)
             self._push_slices(mX, mBuf, rank, slice_rows, end, first, step, row_in_cta, lane, rT,
                               dtype, may_push, only)
             failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)

@@ -30,6 +30,9 @@
 #                   (pull-gather, pull), lamport's poll-unseen and CTA caps 16 / 32 / 64 beside the
 #                   defaults (issue 14: what the forms and grid per world size should be; none of
 #                   them measured at world 4 or 8 yet)
+#   twoshot-forms   every two-shot form (NOTE [two-shot forms], [wide two-shot], [two-shot rounds]):
+#                   test_forms_gpu.py, then bench_allreduce_fusion's two-shot fused FP8 / plain with
+#                   each new form beside the defaults, symm-mem two-shot and NCCL, 8..16384 rows
 #   ab              AB_TREES=DIR: bench_allreduce_fusion from every tree DIR/* (made beforehand by
 #                   benchmarks/make_ab_trees.sh: the device copy has no .git) and this one
 #                   ("here"), alternated; AB_ARGS: the benchmark's arguments (default: the distnorm
@@ -97,6 +100,12 @@ case $STEP in
       --no-compile --tokens 1 8 32 128 512 2048 8192 --hidden 4096 8192 --cases '^dn_(fp8|ar)_' \
       --tuning pg:form=pull-gather pl:form=pull pu:lform=poll-unseen c16:ctas=16 c32:ctas=32 c64:ctas=64 \
       --out "$OUT/tuning_forms_$tag" ;;
+  twoshot-forms) run forms torchrun --master-port "$PORT" --nproc-per-node "$N" -m pytest \
+      tests/multigpu/test_forms_gpu.py -q -rfs -p no:cacheprovider &&
+      run twoshot_forms torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_allreduce_fusion.py \
+      --no-compile --tokens 8 32 128 512 2048 8192 16384 --hidden 4096 8192 \
+      --cases '^(dn_(fp8|ar)_twoshot|symm2|nccl_ar)' --tuning pw:form=push-wide lw:form=pull-wide \
+      pw1:form=push-wide,rpcts=1 pr:form=push-rounds lr:form=pull-rounds --out "$OUT/twoshot_forms2_$tag" ;;
   ab) [ -d "${AB_TREES:-}" ] || { echo "STEP=ab needs AB_TREES=DIR with one tree per subfolder" >&2; exit 2; }
       trees=(); for d in "$AB_TREES"/*/; do d=${d%/}; trees+=(--tree "$(basename "$d")=$d"); done
       # shellcheck disable=SC2086
@@ -112,5 +121,6 @@ case $STEP in
       done
       exit $rc ;;
   *) echo "STEP=$STEP: expected one of list, pairs, tests-torchrun, tests-mpirun, tests-plain," \
-          "faults, allreduce, seqpar, fallback, tp-layer, rs-forms, faults-ab, tuning, ab, tree-tests" >&2; exit 2 ;;
+          "faults, allreduce, seqpar, fallback, tp-layer, rs-forms, faults-ab, tuning, twoshot-forms, ab," \
+          "tree-tests" >&2; exit 2 ;;
 esac

@@ -49,12 +49,17 @@ RS_CASES = [("fp8_per_token", 2000, 0), ("nvfp4", 129, 8), ("none", 3, 0), ("mxf
 
 
 def _tuned(ws, algo: str, form: str) -> None:
-    """The workspace's calls from now on use `form` for `algo` (its planned calls are dropped)."""
+    """The workspace's calls from now on use `form` for `algo` (its planned calls are dropped).
+    The two-shot rounds forms also get a grid of 8 CTAs, so that a CTA's row groups take several
+    rounds at the test's sizes (NOTE [two-shot rounds]; the grid does not change the bits)."""
     import dataclasses
 
     from distnorm.collectives.state import state_of
     state = state_of(ws)
-    state.tuning = dataclasses.replace(state.tuning, **{f"{algo}_form": form})
+    caps = {a: n for a, n in state.tuning.max_ctas.items() if a != algo}
+    if form.endswith("-rounds"):
+        caps[algo] = 8
+    state.tuning = dataclasses.replace(state.tuning, **{f"{algo}_form": form}, max_ctas=caps)
 
 
 def _body_forms_agree(algo: str) -> None:

@@ -1,8 +1,8 @@
 """The data buffer's reuse across consecutive calls (NOTE [push and gather halves] in
 collectives/layout.py, NOTE [two-shot final barrier] in kernels/twoshot.py), model-checked on the
 CPU: every interleaving of 2 ranks of 2 CTAs each, and of 3 ranks of one CTA, through a few calls
-of one-shot and two-shot (push and pull forms, and their rounds: NOTE [two-shot rounds]) of
-different sizes.
+of one-shot and two-shot (push and pull forms, their rounds: NOTE [two-shot rounds], and their
+wide grids: NOTE [wide two-shot]) of different sizes.
 
 Each CTA runs its call's steps in order; a step writes or reads whole rows of the buffers (its
 own rows: row i belongs to CTA i % ctas); a barrier step lets CTA b pass once CTA b of every rank
@@ -25,31 +25,37 @@ SHAPES = [(2, 2), (3, 1)]
 def _twoshot_steps(world: int, rank: int, S: int, form: str, halves: bool,
                    final_barrier: bool, ctas: int = 1) -> list:
     """Two-shot's steps for `rank`: (kind, buffer owner or None for every peer, cells) with cells
-    (region, index, row) of the rows moved; the gather rows in the upper half ("U") or right after
-    the scatter slots ("G", the old layout). Forms "push-rounds" / "pull-rounds" (NOTE [two-shot
-    rounds]) take each CTA's rows one round at a time (round of row i: i // ctas), the next
-    round's x pushed before this round is reduced; "...-rounds-late" pushes it after the round's
-    barrier instead (a wrong order, to show the model can fail)."""
+    (region, index, row, slice) of the rows moved; the gather rows in the upper half ("U") or right
+    after the scatter slots ("G", the old layout). Forms "push-rounds" / "pull-rounds" (NOTE
+    [two-shot rounds]) take each CTA's rows one round at a time (round of row i: i // ctas), the
+    next round's x pushed before this round is reduced; "...-rounds-late" pushes it after the
+    round's barrier instead (a wrong order, to show the model can fail). The "-wide" forms (NOTE
+    [wide two-shot]) differ only in which CTA moves a cell (_cta_of); "...-wide-skew" has phase 3
+    read slice s's rows on the CTAs of slice s + 1 (no barrier pairs them with the writers)."""
     peers = [t for t in range(world) if t != rank]
     gather = (lambda k: ("U", k)) if halves else (lambda k: ("L", world * S + k))
     pushed = not form.startswith("pull")
 
+    skew = (lambda s: (s + 1) % world) if form.endswith("-skew") else (lambda s: s)
+
     def x_out(rows):  # push: my rows of slice t -> slot `rank` of rank t; pull: my own copy
         if pushed:
-            return [("write", t, [("L", rank * S + i, i) for i in rows]) for t in peers]
-        return [("write", rank, [("L", s * S + i, i) for s in peers for i in rows])]
+            return [("write", t, [("L", rank * S + i, i, t) for i in rows]) for t in peers]
+        return [("write", rank, [("L", s * S + i, i, s) for s in peers for i in rows])]
 
     def reduce(rows):  # my slice's rows: its slots (push) or every peer's copy (pull), then T(h)
+        mine = [(*gather(rank * S + i), i, rank) for i in rows]
         if pushed:
-            steps = [("read", rank, [("L", s * S + i, i) for s in peers for i in rows])]
-            return steps + [("write", t, [(*gather(rank * S + i), i) for i in rows]) for t in peers]
-        steps = [("read", t, [("L", rank * S + i, i) for i in rows]) for t in peers]
-        return steps + [("write", rank, [(*gather(rank * S + i), i) for i in rows])]
+            steps = [("read", rank, [("L", s * S + i, i, rank) for s in peers for i in rows])]
+            return steps + [("write", t, mine) for t in peers]
+        steps = [("read", t, [("L", rank * S + i, i, rank) for i in rows]) for t in peers]
+        return steps + [("write", rank, mine)]
 
     def finish(rows):  # the other slices' gathered rows
         if pushed:
-            return [("read", rank, [(*gather(s * S + i), i) for s in peers for i in rows])]
-        return [("read", s, [(*gather(s * S + i), i) for i in rows]) for s in peers]
+            return [("read", rank, [(*gather(s * S + i), i, skew(s)) for s in peers
+                                    for i in rows])]
+        return [("read", s, [(*gather(s * S + i), i, skew(s)) for i in rows]) for s in peers]
 
     rounds = [list(range(S))]
     if "-rounds" in form:
@@ -95,9 +101,19 @@ def _rsgather_steps(world: int, rank: int, S: int, early: bool = False) -> list:
     return steps
 
 
+def _cta_of(cell: tuple, ctas: int, world: int, form) -> int:
+    """The CTA that moves a cell: row % ctas; in the wide two-shot forms slice * G + row % G, G =
+    ctas / world (NOTE [wide two-shot])."""
+    row = cell[2]
+    if form and "-wide" in form:
+        G = ctas // world
+        return cell[3] * G + row % G
+    return row % ctas
+
+
 def _program(world: int, ctas: int, calls: list, rank: int, halves: bool,
              final_barrier: bool) -> list:
-    """Per call, per CTA: its steps (a row's cells go to CTA row % ctas; barriers to every CTA)."""
+    """Per call, per CTA: its steps (a cell goes to CTA _cta_of; barriers to every CTA)."""
     prog = []
     for algo, size, form in calls:
         if algo == "oneshot":
@@ -114,8 +130,8 @@ def _program(world: int, ctas: int, calls: list, rank: int, halves: bool,
                     mine.append(("barrier",))
                 else:
                     owner, cells = rest
-                    mine.append((kind, owner, tuple((reg, k) for reg, k, row in cells
-                                                    if row % ctas == b)))
+                    mine.append((kind, owner, tuple(cell[:2] for cell in cells
+                                                    if _cta_of(cell, ctas, world, form) == b)))
             per_cta.append(tuple(mine))
         prog.append(tuple(per_cta))
     return prog
@@ -268,6 +284,35 @@ def test_twoshot_rounds_model_can_fail(form, shape):
     """With the next round's pushes after the round's barrier a rank reads rows not yet pushed."""
     calls = _scaled([("twoshot", 2, form)], shape[1])
     assert _bad_reads(shape, calls, halves=True, final_barrier=False) != set()
+
+
+# NOTE [wide two-shot]: a grid of world * G CTAs, CTA b on slice b // G only (G = 1 here: larger
+# grids and a third rank take minutes per sequence; one call with G = 2 below)
+WIDE_SEQUENCES = {
+    "push-wide": [("twoshot", 2, "push-wide"), ("twoshot", 2, "push-wide")],
+    "pull-wide": [("twoshot", 2, "pull-wide"), ("twoshot", 2, "pull-wide")],
+    "wide-push-oneshot": [("twoshot", 2, "push-wide"), ("twoshot", 1, "push"), ("oneshot", 2, None)],
+    "pull-pull-wide": [("twoshot", 1, "pull"), ("twoshot", 2, "pull-wide")],
+}
+
+
+@pytest.mark.parametrize("name", WIDE_SEQUENCES)
+def test_wide_twoshot_reads_only_its_own_call(name):
+    """NOTE [wide two-shot]: every row group of slice j moved, reduced and read by CTA j * G + g % G
+    on every rank, paired by the same two barriers: no bad read (2 ranks x 2 CTAs)."""
+    assert _bad_reads((2, 2), WIDE_SEQUENCES[name], halves=True, final_barrier=False) == set()
+
+
+def test_wide_twoshot_two_ctas_per_slice():
+    """The same with G = 2 CTAs per slice (2 ranks x 4 CTAs, one pull-wide call: about 40 s)."""
+    calls = [("twoshot", 2, "pull-wide")]
+    assert _bad_reads((2, 4), calls, halves=True, final_barrier=False) == set()
+
+
+@pytest.mark.parametrize("form", ["push-wide-skew", "pull-wide-skew"])
+def test_wide_twoshot_model_can_fail(form):
+    """Phase 3 on the CTAs of another slice reads gathered rows no barrier ordered."""
+    assert _bad_reads((2, 2), [("twoshot", 2, form)], halves=True, final_barrier=False) != set()
 
 
 def test_epilogue_gather_model_can_fail():

@@ -108,18 +108,17 @@ def test_algorithm_form_tuning(monkeypatch):
         keys = [allreduce_kernel_key("rsgather", 2, torch.bfloat16, 8192, spec, True, False, False,
                                      False, auto, n) for n in (16 << 20, 32 << 20)]
         assert [k[-1] for k in keys] == ["serial", big]
-    # two-shot by world size: push at 2 ranks; pull from 512 KiB to below 32 MiB at 4 and 8 (3: the
-    # next larger entry, 4; 16: the largest, 8), push outside it
+    # two-shot by world size: push at 2 ranks; at 4 and 8 (3: the next larger entry, 4; 16: the
+    # largest, 8) push-wide below 16 MiB, pull below 32 MiB, push below 64 MiB, push-rounds beyond
     for nbytes in (0, 1 << 20, (32 << 20) - 1, 32 << 20, 1 << 40):
         assert auto.form("twoshot", nbytes, 2) == "push"
+    rungs = ((0, "push-wide"), ((16 << 20) - 1, "push-wide"), (16 << 20, "pull"),
+             ((32 << 20) - 1, "pull"), (32 << 20, "push"), ((64 << 20) - 1, "push"),
+             (64 << 20, "push-rounds"), (1 << 40, "push-rounds"))
     for world in (3, 4, 8, 16):
-        assert auto.form("twoshot", 0, world) == "push"
-        assert auto.form("twoshot", (512 << 10) - 1, world) == "push"
-        assert auto.form("twoshot", 512 << 10, world) == "pull"
-        assert auto.form("twoshot", (32 << 20) - 1, world) == "pull"
-        assert auto.form("twoshot", 32 << 20, world) == "push"
+        assert [auto.form("twoshot", nbytes, world) for nbytes, _ in rungs] == [f for _, f in rungs]
     assert allreduce_kernel_key("twoshot", 4, torch.bfloat16, 4096, None, True, False, True,
-                                False, auto, 512 * 4096 * 2)[-1] == "pull"
+                                False, auto, 2048 * 4096 * 2)[-1] == "pull"
     assert allreduce_kernel_key("twoshot", 2, torch.bfloat16, 4096, None, True, False, True,
                                 False, auto, 512 * 4096 * 2)[-1] == "push"
     assert allreduce_kernel_key("reducescatter", 2, torch.bfloat16, 4096, None, True, False, True,

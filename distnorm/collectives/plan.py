@@ -175,8 +175,12 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
 # fused FP8 / plain, three-barrier two-shot): "pull" from 512 KiB to 32 MiB (128 x 4096 FP8 19.3 ->
 # 19.0 us, 128 x 8192 25.6 -> 24.2, 512 x 4096 39.0 -> 36.2, 512 x 8192 64.4 -> 58.1), "push" below
 # (1 x 4096 FP8 11.5 vs 12.2 pulled, 8 x 8192 14.2 vs 14.6) and from 32 MiB (8192 x 8192 653.5 vs
-# 680.1). Auto runs lamport below 1 MiB, so the lower rung matters to forced two-shot calls. World
-# 8: NOT measured, world 4's rule.
+# 680.1). Since the wide and rounds forms (benchmarks/results/twoshot_forms_h200_x4.md, two
+# barriers, fused FP8): "push-wide" below 16 MiB (128 x 4096 16.5 -> 14.2 us, 128 x 8192 22.3 ->
+# 20.0, 512 x 4096 33.5 -> 30.7, 512 x 8192 55.7 -> 52.5), "pull" at 16 MiB (2048 x 4096 97.8 vs
+# 99.6 wide), "push" at 32 MiB (2048 x 8192 183.1 vs 189.8 pull-rounds), "push-rounds" from 64 MiB
+# (8192 x 4096 343.0 vs 343.9: a tie; 8192 x 8192 646.4 vs 672.4, 16384 x 8192 1243.4 vs 1328.4).
+# World 8: NOT measured, world 4's rule.
 #
 # The reduce-scatter that gathers q in its epilogue ("rsgather", NOTE [gather in the epilogue]) has
 # its own ladder, "serial" at every size, for 1-byte codes: there the pipelined rounds only added
@@ -185,11 +189,12 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
 # rounds overlap its heavier epilogue (gathered NVFP4 8192 x 8192 348.3 serial vs 333.1 pipelined,
 # 16384 x 8192 675.6 vs 646.0; 2048 x 4096 62.3 vs 66.4): sized_ladder picks the ladder.
 # benchmarks/results/seqpar_h200_x2.md (2026-11-27, sixth session) and seqpar_rsgather_h200_x2.md.
-_TWOSHOT_WIDE = ((0, "push"), (512 << 10, "pull"), (32 << 20, "push"))
+_TWOSHOT_WORLD4 = ((0, "push-wide"), (16 << 20, "pull"), (32 << 20, "push"),
+                   (64 << 20, "push-rounds"))
 SIZED_FORMS = {"reducescatter": {0: ((0, "serial"), (32 << 20, "pipelined"))},
                "rsgather": {0: ((0, "serial"),)},
                "rowgather": {0: ((0, "unit"), (8 << 20, "batched"))},
-               "twoshot": {2: ((0, "push"),), 4: _TWOSHOT_WIDE, 8: _TWOSHOT_WIDE}}
+               "twoshot": {2: ((0, "push"),), 4: _TWOSHOT_WORLD4, 8: _TWOSHOT_WORLD4}}
 
 
 def sized_ladder(algo: str, packed_fp4: bool = False) -> str:

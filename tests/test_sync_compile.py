@@ -108,10 +108,10 @@ def test_algorithm_form_tuning(monkeypatch):
         keys = [allreduce_kernel_key("rsgather", 2, torch.bfloat16, 8192, spec, True, False, False,
                                      False, auto, n) for n in (16 << 20, 32 << 20)]
         assert [k[-1] for k in keys] == ["serial", big]
-    # two-shot by world size: push at 2 ranks; at 4 and 8 (3: the next larger entry, 4; 16: the
-    # largest, 8) push-wide below 16 MiB, pull below 32 MiB, push below 64 MiB, push-rounds beyond
-    for nbytes in (0, 1 << 20, (32 << 20) - 1, 32 << 20, 1 << 40):
-        assert auto.form("twoshot", nbytes, 2) == "push"
+    # two-shot by world size: push at 2 ranks below 64 MiB, push-rounds beyond; at 4 and 8 (3: the
+    # next larger entry, 4; 16: the largest, 8) push-wide below 16 MiB, pull below 32 MiB, push below 64 MiB, push-rounds beyond
+    assert [auto.form("twoshot", n, 2) for n in (0, 32 << 20, (64 << 20) - 1, 64 << 20, 1 << 40)] == \
+        ["push", "push", "push", "push-rounds", "push-rounds"]
     rungs = ((0, "push-wide"), ((16 << 20) - 1, "push-wide"), (16 << 20, "pull"),
              ((32 << 20) - 1, "pull"), (32 << 20, "push"), ((64 << 20) - 1, "push"),
              (64 << 20, "push-rounds"), (1 << 40, "push-rounds"))

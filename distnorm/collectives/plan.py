@@ -106,15 +106,15 @@ def knob(algo: str) -> str:
 #   at 8 MiB (512 x 8192), 61.2 vs 75.1 at 16 MiB: lamport up to 4 MiB. Plain all-reduce (no
 #   epilogue): lamport 30.6 vs two-shot 33.1 at 8 MiB, two-shot 57.6 vs 64.7 at 16 MiB: lamport up
 #   to 8 MiB. One-shot never wins.
-# World 4: measured on 4 x H200 (two-shot with two barriers, 2026-11-27),
-#   benchmarks/results/lamport_crossover_h200_x4.md: fused fp8, lamport 14.75 us vs two-shot 15.91 at
-#   896 KiB (112 x 4096), two-shot 16.56 vs lamport 17.20 at 1 MiB (128 x 4096) and 17.67 vs 21.43 at
-#   1.25 MiB (80 x 8192): lamport up to 896 KiB; plain all-reduce likewise (14.10 vs 14.31 at
-#   896 KiB, 15.17 vs 16.28 at 1 MiB). (Before two-shot lost its third barrier, lamport won up to
-#   1 MiB: 17.9 vs 19.1 us at 128 x 4096, allreduce_fusion_h200_x4.md.)
-# World 8: NOT measured (8-GPU machines were not lent): half of world 4's, to be replaced.
-LAMPORT_CROSSOVER_BYTES = {2: 4 << 20, 4: 896 << 10, 8: 512 << 10}
-LAMPORT_CROSSOVER_BYTES_PLAIN = {2: 8 << 20, 4: 896 << 10, 8: 512 << 10}  # distnorm.allreduce
+# World 4: measured on 4 x H200 against the push-wide two-shot (2026-11-27, ninth session),
+#   benchmarks/results/lamport_crossover_wide_h200_x4.md: fused fp8, lamport 10.9 us vs two-shot
+#   11.6 at 512 KiB (64 x 4096; 10.5 vs 11.5 at 32 x 8192), two-shot 11.8 vs lamport 12.3 at 640 KiB
+#   (80 x 4096) and 12.6 vs 14.1 at 768 KiB (48 x 8192): lamport up to 512 KiB; plain all-reduce
+#   likewise (10.1 vs 10.1 at 512 KiB, 10.7 vs 11.5 at 640 KiB). (Against the default-grid two-shot
+#   lamport won up to 896 KiB, lamport_crossover_h200_x4.md.)
+# World 8: NOT measured (8-GPU machines were not lent): world 4's, to be replaced.
+LAMPORT_CROSSOVER_BYTES = {2: 4 << 20, 4: 512 << 10, 8: 512 << 10}
+LAMPORT_CROSSOVER_BYTES_PLAIN = {2: 8 << 20, 4: 512 << 10, 8: 512 << 10}  # distnorm.allreduce
 # Bytes per rank up to which the barrier one-shot beats two-shot when lamport does not apply
 # (M beyond one lamport area): one-shot lost to lamport or two-shot at every measured size.
 ONESHOT_CROSSOVER_BYTES = {2: 8 << 20, 4: 1 << 20, 8: 512 << 10}
@@ -170,7 +170,10 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
 # x 4096 FP8, 4 ranks); the rule itself, 2 ranks: within 2% of the best forced pair at every size
 # (seqpar_sized_h200_x2.md). Every rank computes the same form from the same call, so they agree.
 #
-# Two-shot, by world size. World 2: "push" at every size (the pull forms never won there). World 4
+# Two-shot, by world size. World 2: "push" below 64 MiB (the pull and wide forms never won there),
+# "push-rounds" from 64 MiB (benchmarks/results/twoshot_forms_h200_x2.md, fused FP8: 8192 x 4096
+# 218.5 -> 206.3 us, 8192 x 8192 428.7 -> 395.6, 16384 x 8192 860.1 -> 797.1; it lost at 2048 x
+# 8192, 109.7 vs 111.8, and at 2048 x 4096, 58.0 vs 64.5). World 4
 # (benchmarks/results/tuning_forms_h200_x4.md, allreduce_small_h200_x4.md, branches_ab_h200_x4.md;
 # fused FP8 / plain, three-barrier two-shot): "pull" from 512 KiB to 32 MiB (128 x 4096 FP8 19.3 ->
 # 19.0 us, 128 x 8192 25.6 -> 24.2, 512 x 4096 39.0 -> 36.2, 512 x 8192 64.4 -> 58.1), "push" below
@@ -194,7 +197,8 @@ _TWOSHOT_WORLD4 = ((0, "push-wide"), (16 << 20, "pull"), (32 << 20, "push"),
 SIZED_FORMS = {"reducescatter": {0: ((0, "serial"), (32 << 20, "pipelined"))},
                "rsgather": {0: ((0, "serial"),)},
                "rowgather": {0: ((0, "unit"), (8 << 20, "batched"))},
-               "twoshot": {2: ((0, "push"),), 4: _TWOSHOT_WORLD4, 8: _TWOSHOT_WORLD4}}
+               "twoshot": {2: ((0, "push"), (64 << 20, "push-rounds")),
+                           4: _TWOSHOT_WORLD4, 8: _TWOSHOT_WORLD4}}
 
 
 def sized_ladder(algo: str, packed_fp4: bool = False) -> str:

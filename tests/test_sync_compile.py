@@ -119,6 +119,18 @@ def test_algorithm_form_tuning(monkeypatch):
         assert [auto.form("twoshot", nbytes, world) for nbytes, _ in rungs] == [f for _, f in rungs]
     assert allreduce_kernel_key("twoshot", 4, torch.bfloat16, 4096, None, True, False, True,
                                 False, auto, 2048 * 4096 * 2)[-1] == "pull"
+    # rows per CTA by size where Tuning leaves them at 0 (NOTE [sized rows per CTA]): one below
+    # 2 MiB at 4 and 8 ranks, choose_tiling's (0) above and at 2 ranks; a set value wins
+    from distnorm.collectives.dispatch import ROWS_PER_CTA_ARG
+    for world in (3, 4, 8, 16):
+        assert [auto.rows("twoshot", n, world) for n in (0, (2 << 20) - 1, 2 << 20, 1 << 40)] == \
+            [1, 1, 0, 0]
+    assert [auto.rows("twoshot", n, 2) for n in (0, 1 << 40)] == [0, 0]
+    assert auto.rows("rsgather", 0, 4) == 0 and auto.rows("lamport", 0, 4) == 1
+    assert Tuning(rows_per_cta={"twoshot": 2}).rows("twoshot", 0, 4) == 2
+    keys = [allreduce_kernel_key("twoshot", 4, torch.bfloat16, 4096, None, True, False, True,
+                                 False, auto, m * 4096 * 2) for m in (128, 256)]
+    assert [k[ROWS_PER_CTA_ARG] for k in keys] == [1, 0]
     assert allreduce_kernel_key("twoshot", 2, torch.bfloat16, 4096, None, True, False, True,
                                 False, auto, 512 * 4096 * 2)[-1] == "push"
     assert allreduce_kernel_key("reducescatter", 2, torch.bfloat16, 4096, None, True, False, True,

@@ -53,7 +53,7 @@ def allreduce_kernel_key(algo: str, world: int, dtype: torch.dtype, H: int,
     tuning = Tuning.from_env() if tuning is None else tuning
     ladder = sized_ladder(algo, spec is not None and spec.packed_fp4)
     return (algo, world, DTYPE_NAMES[dtype], H, kernel_spec(spec), has_residual, gemma, write_y,
-            write_allreduce, tuning.pdl, tuning.rows_per_cta.get(knob(algo), 0),
+            write_allreduce, tuning.pdl, tuning.rows(algo, nbytes, world),
             tuning.form(algo, nbytes, world, ladder))
 
 

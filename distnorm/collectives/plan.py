@@ -16,7 +16,7 @@ from distnorm.collectives.layout import (LAMPORT_AREAS, REGION_LAMPORT, REGION_O
                                          lamport_split, push_half)
 
 __all__ = ["Algorithm", "ALGORITHMS", "ALGOS", "ALGORITHM_FORMS", "AUTO_FORM", "GATHER_BY",
-           "LAMPORT_FORMS", "SIZED_FORMS", "TUNING_FORMS", "WORLD_MAX_CTAS", "sized_form",
+           "LAMPORT_FORMS", "SIZED_FORMS", "SIZED_ROWS_PER_CTA", "TUNING_FORMS", "WORLD_MAX_CTAS", "sized_form",
            "sized_ladder",
            "NOPEER_FORMS", "REDUCESCATTER_FORMS", "ROWGATHER_FORMS", "TWOSHOT_FORMS",
            "settings_ranks_share", "check_shared_settings",
@@ -128,8 +128,19 @@ def _default_rows_per_cta() -> dict:
     # One row per CTA spreads small-M lamport / one-shot calls over twice the SMs at H=4096: fused
     # fp8 lamport on 2 x H200, M=8 / 32 / 128 x 4096: 4.15 / 4.81 / 7.18 us vs 4.66 / 5.20 / 8.02
     # with two rows per CTA, equal elsewhere (benchmarks/results/allreduce_fusion_h200_x2.md,
-    # --tuning runs). 0 = choose_tiling's (kernels/compile_allreduce.py).
+    # --tuning runs). 0 = by size (SIZED_ROWS_PER_CTA), else choose_tiling's
+    # (kernels/compile_allreduce.py).
     return {"lamport": 1, "oneshot": 1, "twoshot": 0}
+
+
+# NOTE [sized rows per CTA]: where Tuning.rows_per_cta leaves an algorithm at 0, its rows per CTA
+# by world size and bytes of one launch, a ladder as in NOTE [sized forms] (0: choose_tiling's,
+# which gives more than one row per CTA only for rows of at most 4096 bf16 elements). World 4,
+# push-wide two-shot at H = 4096 (benchmarks/results/twoshot_forms_h200_x4.md, fused FP8): one row
+# per CTA at 8 / 32 / 128 rows 8.9 / 9.6 / 13.7 us against 10.1 / 11.0 / 14.2 with choose_tiling's
+# two, 31.2 against 30.7 at 512 rows. World 8: world 4's rule, NOT measured.
+_WIDE_ONE_ROW = ((0, 1), (2 << 20, 0))
+SIZED_ROWS_PER_CTA = {"twoshot": {2: ((0, 0),), 4: _WIDE_ONE_ROW, 8: _WIDE_ONE_ROW}}
 
 
 # Who moves the rows of a two-shot call over NVLink (NOTE [two-shot forms] in kernels/twoshot.py):
@@ -212,9 +223,14 @@ def sized_ladder(algo: str, packed_fp4: bool = False) -> str:
 def sized_form(algo: str, nbytes: int, world: int) -> str:
     """NOTE [sized forms]: the form of `algo` for a launch of `nbytes` on `world` ranks (a world
     size without an entry takes the next larger one's, then the largest's; key 0: any world)."""
-    table = SIZED_FORMS[algo]
+    return _rung(SIZED_FORMS[algo], nbytes, world)
+
+
+def _rung(table: Mapping[int, tuple], nbytes: int, world: int):
+    """The value of the last rung of table's ladder for `world` (NOTE [sized forms]) whose
+    from_bytes `nbytes` reaches."""
     key = 0 if 0 in table else min((w for w in table if w >= world), default=max(table))
-    return [form for from_bytes, form in table[key] if nbytes >= from_bytes][-1]
+    return [value for from_bytes, value in table[key] if nbytes >= from_bytes][-1]
 
 
 # NOTE [world CTA caps]: the most CTAs of one launch by world size where fewer than every
@@ -248,7 +264,8 @@ class Tuning:
     max_ctas, or a GPU with another SM count: the grid size is in the barrier signature).
 
     pdl: programmatic dependent launch (NOTE [programmatic dependent launch] in kernels/allreduce.py).
-    rows_per_cta: {algo: rows per CTA}, 0 = choose_tiling's.
+    rows_per_cta: {algo: rows per CTA}, 0 = by size (NOTE [sized rows per CTA]), else
+      choose_tiling's.
     max_ctas: {algo: most CTAs of one launch}, 0 = as many as are co-resident (the barrier
       kernels' limit, always kept), absent = the world size's cap (NOTE [world CTA caps]); a
       run-time argument, so no recompile.
@@ -310,6 +327,15 @@ class Tuning:
             return ""
         form = getattr(self, f"{algo}_form")
         return sized_form(ladder, nbytes, world) if form == AUTO_FORM else form
+
+    def rows(self, algo: str, nbytes: int = 0, world: int = 2) -> int:
+        """Rows per CTA of `algo`'s kernel for a launch of `nbytes` on `world` ranks: rows_per_cta's
+        when set, else NOTE [sized rows per CTA]; 0 = choose_tiling's."""
+        algo = knob(algo)
+        rows = self.rows_per_cta.get(algo, 0)
+        if rows == 0 and algo in SIZED_ROWS_PER_CTA:
+            return _rung(SIZED_ROWS_PER_CTA[algo], nbytes, world)
+        return rows
 
     @property
     def timeout_ns(self) -> int:

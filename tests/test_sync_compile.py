@@ -119,12 +119,13 @@ def test_algorithm_form_tuning(monkeypatch):
         assert [auto.form("twoshot", nbytes, world) for nbytes, _ in rungs] == [f for _, f in rungs]
     assert allreduce_kernel_key("twoshot", 4, torch.bfloat16, 4096, None, True, False, True,
                                 False, auto, 2048 * 4096 * 2)[-1] == "pull"
-    # rows per CTA by size where Tuning leaves them at 0 (NOTE [sized rows per CTA]): one below
-    # 2 MiB at 4 and 8 ranks, choose_tiling's (0) above and at 2 ranks; a set value wins
+    # rows per CTA by size where Tuning leaves them at 0 (NOTE [sized rows per CTA]): at 4 and 8
+    # ranks one below 2 MiB and from 16 to 32 MiB, choose_tiling's (0) elsewhere and at 2 ranks; a
+    # set value wins
     from distnorm.collectives.dispatch import ROWS_PER_CTA_ARG
+    sizes = (0, (2 << 20) - 1, 2 << 20, (16 << 20) - 1, 16 << 20, (32 << 20) - 1, 32 << 20, 1 << 40)
     for world in (3, 4, 8, 16):
-        assert [auto.rows("twoshot", n, world) for n in (0, (2 << 20) - 1, 2 << 20, 1 << 40)] == \
-            [1, 1, 0, 0]
+        assert [auto.rows("twoshot", n, world) for n in sizes] == [1, 1, 0, 0, 1, 1, 0, 0]
     assert [auto.rows("twoshot", n, 2) for n in (0, 1 << 40)] == [0, 0]
     assert auto.rows("rsgather", 0, 4) == 0 and auto.rows("lamport", 0, 4) == 1
     assert Tuning(rows_per_cta={"twoshot": 2}).rows("twoshot", 0, 4) == 2

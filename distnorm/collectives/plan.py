@@ -136,11 +136,15 @@ def _default_rows_per_cta() -> dict:
 # NOTE [sized rows per CTA]: where Tuning.rows_per_cta leaves an algorithm at 0, its rows per CTA
 # by world size and bytes of one launch, a ladder as in NOTE [sized forms] (0: choose_tiling's,
 # which gives more than one row per CTA only for rows of at most 4096 bf16 elements). World 4,
-# push-wide two-shot at H = 4096 (benchmarks/results/twoshot_forms_h200_x4.md, fused FP8): one row
-# per CTA at 8 / 32 / 128 rows 8.9 / 9.6 / 13.7 us against 10.1 / 11.0 / 14.2 with choose_tiling's
-# two, 31.2 against 30.7 at 512 rows. World 8: world 4's rule, NOT measured.
-_WIDE_ONE_ROW = ((0, 1), (2 << 20, 0))
-SIZED_ROWS_PER_CTA = {"twoshot": {2: ((0, 0),), 4: _WIDE_ONE_ROW, 8: _WIDE_ONE_ROW}}
+# two-shot at H = 4096, fused FP8 (benchmarks/results/wide_rows_h200_x4.md; @w2 = choose_tiling's
+# two rows): one row per CTA below 2 MiB (push-wide: 64 / 128 / 192 rows 10.8 / 13.6 / 16.8 us
+# against 11.7 / 14.3 / 17.1), two from 2 MiB (256 / 384 / 512 rows 20.1 / 26.2 / 30.6 against
+# 20.6 / 26.4 / 31.3), one again at 16 MiB (pull: 2048 rows 96.1 against 98.2; 105.7 against
+# 107.3 in twoshot_rows_h200_x4.md, before two-shot lost its third barrier), choose_tiling's from
+# 32 MiB (one row per CTA not measured there; nor rows of 2048 elements, four rows per CTA by
+# choose_tiling). World 8: world 4's rule, NOT measured.
+_WORLD4_ROWS = ((0, 1), (2 << 20, 0), (16 << 20, 1), (32 << 20, 0))
+SIZED_ROWS_PER_CTA = {"twoshot": {2: ((0, 0),), 4: _WORLD4_ROWS, 8: _WORLD4_ROWS}}
 
 
 # Who moves the rows of a two-shot call over NVLink (NOTE [two-shot forms] in kernels/twoshot.py):

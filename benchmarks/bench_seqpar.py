@@ -9,7 +9,8 @@ gathered for the next GEMM, side by side in one run with the unfused chain and a
     dn_rs_<fmt>_gather_pipe  the same, the reduce-scatter in its "pipelined" form
                         (Tuning.reducescatter_form; NOTE [reduce-scatter rounds]); _batched: the
                         row gather in its "batched" form (Tuning.rowgather_form; NOTE [row gather
-                        batches]); _both: both
+                        batches]); _both: both; _r1: one row per CTA in the reduce-scatter
+                        (Tuning.rows_per_cta; choose_tiling's gives two at H <= 4096)
     dn_rs_<fmt>         the same without the gather (the shard's outputs only); dn_rs_<fmt>_pipe in
                         the "pipelined" form
     unfused_fp8         NCCL reduce_scatter + add + RMSNorm + static FP8 in torch + NCCL all_gather
@@ -49,6 +50,7 @@ from common import plot_us_per_m, time_graph_us, unfused_tail  # noqa: E402
 
 import distnorm  # noqa: E402
 from distnorm.collectives import seqpar  # noqa: E402
+from distnorm.collectives.state import state_of  # noqa: E402
 from distnorm.launch import init_distributed  # noqa: E402
 
 EPS = 1e-6
@@ -101,8 +103,6 @@ def tuned(ws, call, **fields):
     """call() with the workspace's Tuning fields set (restored after): gather_by, the forms."""
     import dataclasses
 
-    from distnorm.collectives.state import state_of
-
     state = state_of(ws)
     kept = state.tuning
     state.tuning = dataclasses.replace(kept, **fields)
@@ -134,6 +134,10 @@ def cases(x, res, w, ws, nccl: bool, symm, compiled_tail, formats=FORMATS) -> di
             c[f"dn_rs_{fmt}_gather_{tag}"] = lambda kw=kw, forms=forms: tuned(ws, lambda: (
                 distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws,
                                                     gather=True, **kw)), **forms)
+        one_row = {**state_of(ws).tuning.rows_per_cta, "reducescatter": 1}
+        c[f"dn_rs_{fmt}_gather_r1"] = lambda kw=kw, rows=one_row: tuned(ws, lambda: (
+            distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws, gather=True,
+                                                **kw)), rows_per_cta=rows)
         c[f"dn_rs_{fmt}"] = lambda kw=kw: distnorm.reduce_scatter_add_rmsnorm(
             x, res_shard, w, EPS, workspace=ws, **kw)
         c[f"dn_rs_{fmt}_pipe"] = lambda kw=kw: tuned(ws, lambda: (

@@ -367,19 +367,21 @@ def _launch_scatter(ws: Workspace, state, x: Tensor, residual, residual_out, wei
                     scales_out, spec, scale, global_scale, gemma, eps,
                     algo: str = "reducescatter") -> None:
     """One reduce-scatter launch over x [world * rows, H]: this rank's rows into the outputs."""
-    from distnorm.collectives.dispatch import allreduce_kernel_key
+    from distnorm.collectives.dispatch import ROWS_PER_CTA_ARG, allreduce_kernel_key
     from distnorm.kernels.compile_allreduce import compiled_allreduce
 
     kspec = kernel_spec(spec)
-    kernel = compiled_allreduce(*allreduce_kernel_key(
-        algo, ws.world_size, x.dtype, x.shape[1], spec, residual is not None, gemma,
-        y_out is not None, False, state.tuning, x.numel() * x.element_size()))
+    key = allreduce_kernel_key(algo, ws.world_size, x.dtype, x.shape[1], spec, residual is not None,
+                               gemma, y_out is not None, False, state.tuning,
+                               x.numel() * x.element_size())
+    kernel = compiled_allreduce(*key)
     state.check_signal_pad(ws)
     raise_if_failed(ws)
     kernel(x, residual, residual_out, weight, y_out, q_out, scales_out,
            *kernel_scalars(format_scalar(spec), scale, global_scale), None,
            state.buffer_table(ws, algo), ws.signal_ptrs, ws.error_flag_device, ws.rank,
-           state.tuning.ctas(algo, state.grid_cap(x.device, x.shape[1], kspec, 0), ws.world_size),
+           state.tuning.ctas(algo, state.grid_cap(x.device, x.shape[1], kspec,
+                                                  key[ROWS_PER_CTA_ARG]), ws.world_size),
            float(eps), state.tuning.timeout_ns)
     state.epilogue_gathers += algo == "rsgather"
     after_launch(ws, x.device)

@@ -17,7 +17,7 @@ from torch import Tensor
 from distnorm.args import (DTYPE_NAMES, check_rows_aligned, format_scalar, kernel_scalars,
                            q_alignment)
 from distnorm.collectives.faults import after_launch, raise_if_failed
-from distnorm.collectives.plan import Tuning, knob, plan_launch, sized_ladder
+from distnorm.collectives.plan import Tuning, plan_launch, sized_ladder
 from distnorm.collectives.state import state_of
 from distnorm.formats import MAX_HIDDEN, MIN_HIDDEN, VEC, QuantSpec, kernel_spec
 

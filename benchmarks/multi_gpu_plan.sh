@@ -56,6 +56,12 @@ if [ "$STEP" = pairs ]; then
   wait $pa; ra=$?; wait $pb; rb=$?
   exit $((ra > rb ? ra : rb))
 fi
+pack_runs() {  # pack_runs NAME: $OUT/NAME_runs (one file per tree and round) into one archive, as
+  # the device tool brings back at most 8 files from $OUT (a run with 6 trees lost its other results)
+  [ -d "$OUT/$1_runs" ] || return 0
+  rm -rf "$OUT/$1_runs"/kernel_cache_*
+  tar -C "$OUT" -cJf "$OUT/$1_runs.tar.xz" "$1_runs" && rm -rf "${OUT:?}/$1_runs"
+}
 run() {  # run NAME CMD...: the command's output in $OUT/NAME.log, its time and status printed
   local name=$1; shift
   local t0=$SECONDS
@@ -67,11 +73,11 @@ run() {  # run NAME CMD...: the command's output in $OUT/NAME.log, its time and 
 }
 case $STEP in
   list) sed -n '/^# Steps/,/^set /p' "$0" | sed '$d' ;;
-  tests-torchrun) run tests_torchrun torchrun --master-port "$PORT" --nproc-per-node "$N" -m pytest tests -q -rfs -p no:cacheprovider ;;
+  tests-torchrun) run tests_torchrun torchrun --master-port "$PORT" --nproc-per-node "$N" -m pytest tests -q -rfs -p no:cacheprovider --durations=25 ;;
   tests-mpirun) xs=(); for v in PYTHONPATH PATH LD_LIBRARY_PATH CUDA_VISIBLE_DEVICES; do [ -n "${!v:-}" ] && xs+=(-x "$v"); done
       run tests_mpirun mpirun --allow-run-as-root --bind-to none -np "$N" "${xs[@]}" \
-      python -m pytest tests -q -rfs -p no:cacheprovider ;;
-  tests-plain) run tests_plain python -m pytest tests -q -rfs -p no:cacheprovider
+      python -m pytest tests -q -rfs -p no:cacheprovider --durations=25 ;;
+  tests-plain) run tests_plain python -m pytest tests -q -rfs -p no:cacheprovider --durations=25
                run main_job python -m distnorm ;;
   faults) run faults torchrun --master-port "$PORT" --nproc-per-node "$N" -m pytest tests/multigpu/test_faults_gpu.py -q -s -rfs ;;
   allreduce) run allreduce torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_allreduce_fusion.py \
@@ -111,7 +117,8 @@ case $STEP in
       # shellcheck disable=SC2086
       PET_MASTER_PORT=$PORT run ab python benchmarks/ab_trees.py --bench "${AB_BENCH:-allreduce_fusion}" --nproc "$N" \
       "${trees[@]}" --tree here=. --rounds 2 --out "$OUT/ab_$tag" -- \
-      ${AB_ARGS:---no-compile --tokens 1 8 32 128 512 2048 --hidden 4096 8192 --cases ^dn_} ;;
+      ${AB_ARGS:---no-compile --tokens 1 8 32 128 512 2048 --hidden 4096 8192 --cases ^dn_}
+      rc=$?; pack_runs "ab_$tag"; exit $rc ;;
   tree-tests) [ -d "${AB_TREES:-}" ] || { echo "STEP=tree-tests needs AB_TREES=DIR with one tree per subfolder" >&2; exit 2; }
       rc=0
       for d in "$AB_TREES"/*/; do d=${d%/}; name=$(basename "$d")

@@ -57,6 +57,7 @@ from distnorm.collectives.signature import (GRID_MULTIPLIER, SIGNATURE_MULTIPLIE
                                             CallDescriptor, signature_constant)
 from distnorm.formats import VEC, QuantSpec, pushed_scale_row_bytes, q_shape
 from distnorm.kernels.lamport import LamportOneShot
+from distnorm.kernels.compat import SmemAllocator
 from distnorm.kernels.norm_quant import NormQuantCore
 from distnorm.kernels.tiling import RowTiling
 from distnorm.kernels.reducescatter import RS_ALGOS, RS_ROUNDS, ReduceScatter
@@ -257,7 +258,7 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
         fragments for a row of T (rT), the residual (rR) and float32 h (rH), the quantization
         scalars and this thread's weight vectors (loaded here, early: their latency hides behind
         the exchange)."""
-        bufs = self.core.allocate_smem(cutlass.utils.SmemAllocator())
+        bufs = self.core.allocate_smem(SmemAllocator())
         rT = self.core.zeros(dtype)
         rR = self.core.zeros(dtype)
         rH = self.core.zeros(Float32)

@@ -22,6 +22,11 @@ except ImportError:  # pragma: no cover
 
 make_fake_tensor = cute.runtime.make_fake_tensor
 
+try:  # 4.8 moved it to cutlass.memory (cutlass.utils' name warns that it goes); 4.3.5: utils only
+    from cutlass.memory import SmemAllocator  # noqa: F401 - re-exported
+except ImportError:  # pragma: no cover
+    from cutlass.utils import SmemAllocator  # type: ignore  # noqa: F401
+
 
 def sym_int(width: int = 32, divisibility: int = 1):
     """A symbolic (run-time) integer for a fake tensor's shape or stride."""

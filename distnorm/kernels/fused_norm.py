@@ -14,6 +14,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from distnorm.formats import VEC, QuantSpec, swizzled_tile_words  # absolute imports: see compat.py
+from distnorm.kernels.compat import SmemAllocator
 from distnorm.kernels.norm_quant import NormQuantCore
 from distnorm.kernels.tiling import RowTiling
 
@@ -106,7 +107,7 @@ class FusedAddRMSNormQuant:
             cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         bufs = self.core.allocate_smem(smem)
         cta_rank = Int32(0)
         if const_expr(t.cluster_n > 1):

@@ -57,6 +57,22 @@ def allreduce_kernel_key(algo: str, world: int, dtype: torch.dtype, H: int,
             tuning.form(algo, nbytes, world, ladder))
 
 
+def planned_kernel_key(algo: str, world: int, M: int, H: int, dtype: torch.dtype,
+                       buffer_bytes: int, spec: Optional[QuantSpec], has_residual: bool,
+                       gemma: bool, write_y: bool, write_allreduce: bool, plain: bool,
+                       tuning: Optional[Tuning] = None) -> tuple[str, int, tuple]:
+    """(algorithm, rows per launch, compiled_allreduce key) of a call of M x H rows over a data
+    buffer of `buffer_bytes`: plan_launch, then the key of its launches (every launch of a chunked
+    call takes the first chunk's kernel). What PlannedCall launches, and what the tests compile
+    ahead of their calls."""
+    kspec = kernel_spec(spec)
+    chosen, step = plan_launch(algo, world, M, H, dtype.itemsize, buffer_bytes, kspec.swizzled,
+                               write_allreduce and has_residual, plain)
+    key = allreduce_kernel_key(chosen, world, dtype, H, kspec, has_residual, gemma, write_y,
+                               write_allreduce, tuning, min(M, step) * H * dtype.itemsize)
+    return chosen, step, key
+
+
 class PlannedCall:
     """What a call of one shape launches over one workspace (collectives/state.py keeps one per
     call shape, so an eager call does not plan again: host time)."""
@@ -70,12 +86,9 @@ class PlannedCall:
 
         state = state_of(ws)
         kspec = kernel_spec(spec)
-        gather_acc = write_allreduce and has_residual
-        self.algo, self.step = plan_launch(algo, ws.world_size, M, H, dtype.itemsize,
-                                           ws.buffer_bytes, kspec.swizzled, gather_acc, plain)
-        key = allreduce_kernel_key(self.algo, ws.world_size, dtype, H, kspec, has_residual, gemma,
-                                   write_y, write_allreduce, state.tuning,
-                                   min(M, self.step) * H * dtype.itemsize)
+        self.algo, self.step, key = planned_kernel_key(
+            algo, ws.world_size, M, H, dtype, ws.buffer_bytes, kspec, has_residual, gemma,
+            write_y, write_allreduce, plain, state.tuning)
         self.kernel = compiled_allreduce(*key)
         self.ctas = state.tuning.ctas(self.algo, state.grid_cap(ws.device, H, kspec,
                                                                  key[ROWS_PER_CTA_ARG]),

@@ -83,16 +83,14 @@ def poisoned_outs(spec, M, H, dtype):
 
 def launched_key(world, algo, M, H, spec, residual, write_y, write_ar, dtype=torch.bfloat16,
                  buffer_bytes=BUFFER_BYTES) -> tuple:
-    """The kernel (a distnorm.kernels.precompile key) one all-reduce call of M x H launches: plan_launch
-    resolves "auto" and the lamport fallbacks as the call does. No CUDA: usable where the test files'
-    kernel_keys list what tests/conftest.py compiles ahead."""
-    from distnorm.collectives.dispatch import allreduce_kernel_key
-    from distnorm.collectives.plan import plan_launch
-    swizzled = spec is not None and spec.swizzled
-    algo, _ = plan_launch(algo, world, M, H, dtype.itemsize, buffer_bytes, swizzled,
-                          write_ar and residual, not (residual or write_y or spec is not None))
-    return ("allreduce", *allreduce_kernel_key(algo, world, dtype, H, spec, residual, False,
-                                               write_y, write_ar))
+    """The kernel (a distnorm.kernels.precompile key) one all-reduce call of M x H launches, as the
+    call plans it (dispatch.planned_kernel_key: "auto", the lamport fallbacks, the sized forms and
+    rows per CTA). No CUDA: usable where the test files' kernel_keys list what tests/conftest.py
+    compiles ahead."""
+    from distnorm.collectives.dispatch import planned_kernel_key
+    plain = not (residual or write_y or spec is not None)
+    return ("allreduce", *planned_kernel_key(algo, world, M, H, dtype, buffer_bytes, spec, residual,
+                                             False, write_y, write_ar, plain)[2])
 
 
 def one_case_keys(world, algo, qname, M, H, dtype=torch.bfloat16) -> list:

@@ -28,7 +28,7 @@ import torch
 
 from allreduce_cases import (ALGOS, BUFFER_BYTES, FULL, QUANTS, TIMEOUT_S, algo_capacity_rows,
                              checked_on_every_rank, group_bootstrap, launched_key, make_inputs,
-                             poisoned_outs, quant_kwargs, quant_spec)
+                             one_case_keys, poisoned_outs, quant_kwargs, quant_spec)
 from harness import (MULTIGPU_MARKS, Expectations, all_gather_tensors as _all_gather,
                      gathered_check as _gathered_check)
 from distnorm.launch import run_distributed
@@ -466,7 +466,6 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     """The kernels (distnorm.kernels.precompile keys) of the grid, batch-invariance, graph, chain
     and back-to-back tests: tests/conftest.py compiles them ahead, in parallel (a key missed here
     is compiled where it is used)."""
-    from distnorm.collectives.dispatch import allreduce_kernel_key
     from distnorm.launch.spawn import launch_world_size
     from distnorm.ops import fused_kernel_key
 
@@ -477,17 +476,15 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
         return []
     bf16 = torch.bfloat16
 
-    def fused(algo, H, spec):
-        return ("allreduce", *allreduce_kernel_key(algo, world, bf16, H, spec, True, False, True,
-                                                   True))
-    if test == "test_allreduce_add_rmsnorm_grid":
-        algo = params["algo"]
-        keys = [("allreduce", *allreduce_kernel_key(algo, world, bf16, H, None, False, False,
-                                                    False, True)) for H in HIDDEN_OF[algo]]
-        return keys + [fused(algo, H, quant_spec(q)) for H in HIDDEN_OF[algo] for q in QUANTS]
     def launched(algo, M, H, spec, residual, write_y, write_ar, buffer_bytes=BUFFER_BYTES):
         return launched_key(world, algo, M, H, spec, residual, write_y, write_ar, bf16,
                             buffer_bytes)
+    if test == "test_allreduce_add_rmsnorm_grid":  # the sized forms and rows: a kernel per M
+        algo = params["algo"]
+        return list(dict.fromkeys(
+            key for H in HIDDEN_OF[algo] for q in QUANTS for M in TOKENS
+            for key in one_case_keys(world, algo, q, M if M != "cap+1" else algo_capacity_rows(
+                algo, world, H, quant_spec(q)) + 1, H)))
     if test == "test_eager_path_skips_python_checks_and_keeps_errors":
         return [launched(algo, 5, 4096, formats.make_quant_spec(quant), True, True, ar)
                 for algo in ALGOS for quant, _, ar in EAGER_CASES] + [
@@ -504,13 +501,16 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
         return [launched("lamport", 1, H, None, False, False, True, 8 << 20)
                 for H in (2048, 4096, 8192)]
     if test == "test_batch_invariance":
+        from invariance import BATCHES
         keys = []
         for H in (7168, 16384):
             for q in QUANTS:
                 spec = quant_spec(q)
-                keys += [fused(algo, H, spec) for algo in ALGOS]
+                keys += [launched(algo, M, H, spec, True, True, True,
+                                  BUFFER_BYTES * max(1, world // 2))
+                         for algo in ALGOS for M, _ in BATCHES]
                 keys.append(("fused_norm", *fused_kernel_key(bf16, H, spec, False, False, True, 1)))
-        return keys
+        return list(dict.fromkeys(keys))
     return []
 
 

@@ -217,8 +217,8 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     """The kernels these tests launch (tests/conftest.py compiles them ahead)."""
     import dataclasses
 
-    from distnorm.collectives.dispatch import allreduce_kernel_key
-    from distnorm.collectives.plan import Tuning, plan_launch
+    from distnorm.collectives.dispatch import allreduce_kernel_key, planned_kernel_key
+    from distnorm.collectives.plan import Tuning
     from distnorm.launch.spawn import launch_world_size
 
     world = launch_world_size()
@@ -230,15 +230,15 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
         tuning = Tuning.from_env()
         if algo in ALGORITHM_FORMS:
             tuning = dataclasses.replace(tuning, **{f"{algo}_form": form})
-        launched, _ = plan_launch(algo, world, M, H, 2, BUFFER_BYTES,
-                                  spec is not None and spec.swizzled, write_ar and residual, plain)
-        return ("allreduce", *allreduce_kernel_key(launched, world, torch.bfloat16, H, spec,
-                                                   residual, False, write_y, write_ar, tuning))
+        return ("allreduce", *planned_kernel_key(algo, world, M, H, torch.bfloat16, BUFFER_BYTES,
+                                                 spec, residual, False, write_y, write_ar, plain,
+                                                 tuning)[2])
     if test == "test_forms_agree":
         algo = params["algo"]
         for form in ALGORITHM_FORMS[algo]:
             for qname, M in CASES:
-                M = 1 if M == "cap+1" else M
+                if M == "cap+1":
+                    M = algo_capacity_rows(algo, world, H, quant_spec(qname)) + 1
                 keys.append(key(algo, form, quant_spec(qname), M, True, True, True, False))
                 if qname == "none":
                     keys.append(key(algo, form, None, M, False, False, True, True))

@@ -18,6 +18,7 @@ gathered for the next GEMM, side by side in one run with the unfused chain and a
     unfused_fp8_comp    the same, its torch part compiled (static shapes, one compile per shape)
     dn_ar_fp8           distnorm's fused all-reduce + add + RMSNorm + FP8 (all M rows on every rank)
     dn_ar, nccl_ar, symm2   all-reduce alone: distnorm (algo auto), NCCL, symm-mem two-shot
+    nccl_rs             NCCL reduce_scatter alone (bf16): the reduce-scatter's link-bound reference
 
     torchrun --nproc-per-node N benchmarks/bench_seqpar.py --out benchmarks/results/seqpar_h200_xN
 
@@ -161,6 +162,7 @@ def cases(x, res, w, ws, nccl: bool, symm, compiled_tail, formats=FORMATS) -> di
         if compiled_tail is not None:
             c["unfused_fp8_comp"] = lambda: unfused(compiled_tail)
         c["nccl_ar"] = lambda: (summed.copy_(x), dist.all_reduce(summed))
+        c["nccl_rs"] = lambda: dist.reduce_scatter_tensor(shard, x)
     if symm is not None:
         c["symm2"] = lambda: symm.two_shot(x)
     return c

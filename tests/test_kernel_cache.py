@@ -227,3 +227,42 @@ def test_multi_gpu_tests_list_the_kernels_they_launch(monkeypatch, tmp_path):
     assert shapes.kernel_keys("test_fp16_activations", {}) == []
     sys.modules.pop("test_allreduce_shapes_gpu", None)
     sys.modules.pop("test_faults_gpu", None)
+
+
+def test_multi_gpu_keys_follow_the_calls_sizes(monkeypatch):
+    """At 4 ranks a two-shot call's kernel depends on its bytes (plan's NOTE [sized forms] and NOTE
+    [sized rows per CTA]): the grid and batch-invariance tests list, for every M they call, the
+    key that call plans (dispatch.planned_kernel_key), not the key of a 0-byte call."""
+    import importlib
+    import sys
+
+    import torch
+
+    from distnorm.collectives.dispatch import planned_kernel_key
+
+    monkeypatch.setattr(importlib.import_module("distnorm.launch.spawn"), "launch_world_size",
+                        lambda: 4)
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "multigpu"))
+    grid = importlib.import_module("test_allreduce_gpu")
+    cases = importlib.import_module("allreduce_cases")
+    from invariance import BATCHES
+    try:
+        keys = set(grid.kernel_keys("test_allreduce_add_rmsnorm_grid", {"algo": "twoshot"}))
+        H = grid.HIDDEN_OF["twoshot"][0]
+        for qname in grid.QUANTS:
+            spec = cases.quant_spec(qname)
+            for M in [m for m in grid.TOKENS if m != "cap+1"]:
+                want = planned_kernel_key("twoshot", 4, M, H, torch.bfloat16, cases.BUFFER_BYTES,
+                                          spec, True, False, True, True, False)[2]
+                assert ("allreduce", *want) in keys, (qname, M)
+        keys = set(grid.kernel_keys("test_batch_invariance", {}))
+        sized = {k for k in keys if k[0] == "allreduce" and k[1] == "twoshot"}
+        assert len({k[-2:] for k in sized}) > 1, sized  # more than one (rows, form) by size
+        for M, _ in BATCHES:
+            want = planned_kernel_key("twoshot", 4, M, 16384, torch.bfloat16,
+                                      cases.BUFFER_BYTES * 2, cases.quant_spec("fp8"), True,
+                                      False, True, True, False)[2]
+            assert ("allreduce", *want) in keys, M
+    finally:
+        for name in ("test_allreduce_gpu", "allreduce_cases"):
+            sys.modules.pop(name, None)

@@ -93,6 +93,22 @@ def launched_key(world, algo, M, H, spec, residual, write_y, write_ar, dtype=tor
                                              False, write_y, write_ar, plain)[2])
 
 
+def scatter_keys(world, M, H, spec, write_ys=(True,), tuning=None, dtype=torch.bfloat16) -> list:
+    """Every reduce-scatter kernel a sequence-parallel call of M x H (with a residual) may launch,
+    gathered or not: "reducescatter" and, with a format, "rsgather" (q gathered in its epilogue),
+    each with spec's scales and linear ones (NOTE [gathered scales]), y written or not as write_ys
+    says. A few more than a call takes: compiling ahead costs little, a kernel missed here compiles
+    inside the test on every rank (tests/precompile_keys.py)."""
+    from distnorm.collectives.dispatch import allreduce_kernel_key
+    from distnorm.collectives.rowsplit import linear_spec
+    nbytes = world * -(-M // world) * H * dtype.itemsize  # one launch over the padded rows
+    specs = [None] if spec is None else list(dict.fromkeys([spec, linear_spec(spec)]))
+    algos = ("reducescatter",) if spec is None else ("reducescatter", "rsgather")
+    return [("allreduce", *allreduce_kernel_key(algo, world, dtype, H, s, True, False,
+                                                write_y or spec is None, False, tuning, nbytes))
+            for algo in algos for s in specs for write_y in write_ys]
+
+
 def one_case_keys(world, algo, qname, M, H, dtype=torch.bfloat16) -> list:
     """The kernels one_case launches: the fused call (residual, y and the all-reduce written) and,
     for "none", the plain allreduce()."""

@@ -217,7 +217,7 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     """The kernels these tests launch (tests/conftest.py compiles them ahead)."""
     import dataclasses
 
-    from distnorm.collectives.dispatch import allreduce_kernel_key, planned_kernel_key
+    from distnorm.collectives.dispatch import planned_kernel_key
     from distnorm.collectives.plan import Tuning
     from distnorm.launch.spawn import launch_world_size
 
@@ -242,13 +242,14 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
                 keys.append(key(algo, form, quant_spec(qname), M, True, True, True, False))
                 if qname == "none":
                     keys.append(key(algo, form, None, M, False, False, True, True))
-    if test == "test_reducescatter_forms_agree":
+    if test == "test_reducescatter_forms_agree":  # gathered and not; the all-reduce it matches
+        from allreduce_cases import launched_key, scatter_keys
         for form in REDUCESCATTER_FORMS:
             tuning = dataclasses.replace(Tuning.from_env(), reducescatter_form=form)
-            keys += [("allreduce", *allreduce_kernel_key("reducescatter", world, torch.bfloat16, H,
-                                                         quant_spec(qname), True, False, True,
-                                                         False, tuning))
-                     for qname, _, _ in RS_CASES]
+            keys += [key for qname, M, _ in RS_CASES
+                     for key in scatter_keys(world, M, H, quant_spec(qname), (True,), tuning)]
+        keys += [launched_key(world, "auto", M, H, quant_spec(qname), True, True, False)
+                 for qname, M, _ in RS_CASES]
     if test == "test_forms_mixed_back_to_back":
         for algo in dict.fromkeys(MIXED_ALGOS):
             for form in ALGORITHM_FORMS.get(algo, ("",)):

@@ -210,6 +210,7 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     from distnorm.collectives.rowsplit import linear_spec
     from distnorm.launch.spawn import launch_world_size
     from distnorm.ops import FEW_ROWS, fused_kernel_key
+    from allreduce_cases import launched_key, scatter_keys
 
     world = launch_world_size()
     if world < 2:
@@ -220,7 +221,6 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
         # workspace); the shards' reduce-scatter kernels are the other test's keys; gather=True's
         # take the scales' layout of seqpar's NOTE [gathered scales], and rsgather where q is
         # gathered in the epilogue (with linear scales where they go with q)
-        from allreduce_cases import launched_key
         from distnorm.collectives.seqpar import _scales_in_place
 
         for quant, opts in QUANTS.values():
@@ -236,6 +236,7 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
                          for algo, s in (("reducescatter", kspec),) + (
                              ("rsgather", kspec), ("rsgather", linear_spec(spec))) * (
                              spec is not None)]
+                keys += scatter_keys(world, M, H, spec)
         return list(dict.fromkeys(keys))
     if test != "test_nccl_path_bitwise_the_peer_kernels":
         return []
@@ -256,10 +257,13 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
                                                          True, False, write_y or spec is None,
                                                          False, None, M * H * 2))
                      for M in (1, max(SEQPAR_ROWS))]
-        keys += [("allreduce", *allreduce_kernel_key(algo, world, bf16, H, spec, True, False, True,
-                                                     True))
-                 for algo in (ALGOS if FULL else (ALGOS[k % len(ALGOS)],))]
-    return keys
+        # the call's own rows: the peer path (32 MiB workspace) and the reduce-scatters (norm_out
+        # for the shards, not for gather=True)
+        keys += [launched_key(world, algo, M, H, spec, True, True, True, bf16, 32 << 20)
+                 for algo in (ALGOS if FULL else (ALGOS[k % len(ALGOS)],)) for M in (1, 130, 2000)]
+        keys += [key for M in (1, 130, 2000)
+                 for key in scatter_keys(world, M, H, spec, (True, False))]
+    return list(dict.fromkeys(keys))
 
 
 def test_nccl_path_bitwise_the_peer_kernels():

@@ -82,15 +82,15 @@ def poisoned_outs(spec, M, H, dtype):
 
 
 def launched_key(world, algo, M, H, spec, residual, write_y, write_ar, dtype=torch.bfloat16,
-                 buffer_bytes=BUFFER_BYTES) -> tuple:
+                 buffer_bytes=BUFFER_BYTES, tuning=None) -> tuple:
     """The kernel (a distnorm.kernels.precompile key) one all-reduce call of M x H launches, as the
     call plans it (dispatch.planned_kernel_key: "auto", the lamport fallbacks, the sized forms and
-    rows per CTA). No CUDA: usable where the test files' kernel_keys list what tests/conftest.py
-    compiles ahead."""
+    rows per CTA; `tuning`: the workspace's, default Tuning.from_env()). No CUDA: usable where the
+    test files' kernel_keys list what tests/conftest.py compiles ahead."""
     from distnorm.collectives.dispatch import planned_kernel_key
     plain = not (residual or write_y or spec is not None)
     return ("allreduce", *planned_kernel_key(algo, world, M, H, dtype, buffer_bytes, spec, residual,
-                                             False, write_y, write_ar, plain)[2])
+                                             False, write_y, write_ar, plain, tuning)[2])
 
 
 def scatter_keys(world, M, H, spec, write_ys=(True,), tuning=None, dtype=torch.bfloat16) -> list:

@@ -217,7 +217,7 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     """The kernels these tests launch (tests/conftest.py compiles them ahead)."""
     import dataclasses
 
-    from distnorm.collectives.dispatch import planned_kernel_key
+    from allreduce_cases import launched_key, scatter_keys
     from distnorm.collectives.plan import Tuning
     from distnorm.launch.spawn import launch_world_size
 
@@ -226,34 +226,31 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
         return []
     keys = []
 
-    def key(algo, form, spec, M, residual, write_y, write_ar, plain):
+    def key(algo, form, spec, M, residual, write_y, write_ar):
         tuning = Tuning.from_env()
         if algo in ALGORITHM_FORMS:
             tuning = dataclasses.replace(tuning, **{f"{algo}_form": form})
-        return ("allreduce", *planned_kernel_key(algo, world, M, H, torch.bfloat16, BUFFER_BYTES,
-                                                 spec, residual, False, write_y, write_ar, plain,
-                                                 tuning)[2])
+        return launched_key(world, algo, M, H, spec, residual, write_y, write_ar, tuning=tuning)
     if test == "test_forms_agree":
         algo = params["algo"]
         for form in ALGORITHM_FORMS[algo]:
             for qname, M in CASES:
                 if M == "cap+1":
                     M = algo_capacity_rows(algo, world, H, quant_spec(qname)) + 1
-                keys.append(key(algo, form, quant_spec(qname), M, True, True, True, False))
+                keys.append(key(algo, form, quant_spec(qname), M, True, True, True))
                 if qname == "none":
-                    keys.append(key(algo, form, None, M, False, False, True, True))
+                    keys.append(key(algo, form, None, M, False, False, True))
     if test == "test_reducescatter_forms_agree":  # gathered and not; the all-reduce it matches
-        from allreduce_cases import launched_key, scatter_keys
         for form in REDUCESCATTER_FORMS:
             tuning = dataclasses.replace(Tuning.from_env(), reducescatter_form=form)
-            keys += [key for qname, M, _ in RS_CASES
-                     for key in scatter_keys(world, M, H, quant_spec(qname), (True,), tuning)]
+            keys += [k for qname, M, _ in RS_CASES
+                     for k in scatter_keys(world, M, H, quant_spec(qname), (True,), tuning)]
         keys += [launched_key(world, "auto", M, H, quant_spec(qname), True, True, False)
                  for qname, M, _ in RS_CASES]
     if test == "test_forms_mixed_back_to_back":
         for algo in dict.fromkeys(MIXED_ALGOS):
             for form in ALGORITHM_FORMS.get(algo, ("",)):
-                keys += [key(algo, form, quant_spec(MIXED_FORMAT), M, True, True, True, False)
+                keys += [key(algo, form, quant_spec(MIXED_FORMAT), M, True, True, True)
                          for M in MIXED_SIZES]
     return list(dict.fromkeys(keys))
 

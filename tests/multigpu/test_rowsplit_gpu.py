@@ -206,7 +206,6 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     scales, every row bucket: slice sizes depend on the world), the reduce-scatter kernel, the
     peer algorithm of each format. A key missed here is compiled where it is used."""
     from distnorm import formats
-    from distnorm.collectives.dispatch import allreduce_kernel_key
     from distnorm.collectives.rowsplit import linear_spec
     from distnorm.launch.spawn import launch_world_size
     from distnorm.ops import FEW_ROWS, fused_kernel_key
@@ -217,25 +216,13 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
         return []
     bf16, H, keys = torch.bfloat16, 4096, []
     if test == "test_seqpar_rows_of_the_issue_bitwise_the_allreduce":
-        # the all-reduce each row count's expectations come from (algo auto, y written, 64 MiB
-        # workspace); the shards' reduce-scatter kernels are the other test's keys; gather=True's
-        # take the scales' layout of seqpar's NOTE [gathered scales], and rsgather where q is
-        # gathered in the epilogue (with linear scales where they go with q)
-        from distnorm.collectives.seqpar import _scales_in_place
-
+        # the all-reduce each row count's expectations come from (algo auto, y written, its
+        # workspace), and every reduce-scatter variant of the row count (gathered or not)
         for quant, opts in QUANTS.values():
             spec = formats.make_quant_spec(quant, **opts)
             for M in (m for m in SEQPAR_ROWS if m > 0):
                 keys.append(launched_key(world, "auto", M, H, spec, True, True, False, bf16,
                                          SEQPAR_BUFFER))
-                scaled = spec is not None and formats.scales_geometry(spec, M, H) is not None
-                kspec = (linear_spec(spec) if scaled and not _scales_in_place(
-                    spec, M, -(-M // world), world) else spec)
-                keys += [("allreduce", *allreduce_kernel_key(algo, world, bf16, H, s, True,
-                                                             False, True, False, None, M * H * 2))
-                         for algo, s in (("reducescatter", kspec),) + (
-                             ("rsgather", kspec), ("rsgather", linear_spec(spec))) * (
-                             spec is not None)]
                 keys += scatter_keys(world, M, H, spec)
         return list(dict.fromkeys(keys))
     if test != "test_nccl_path_bitwise_the_peer_kernels":
@@ -252,11 +239,6 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
             keys += [("fused_norm", *fused_kernel_key(bf16, H, linear_spec(spec), False, False,
                                                       write_y or spec is None, rows))
                      for rows in (1, FEW_ROWS, FEW_ROWS + 1)]
-            # both sized forms: M = 4099 takes the pipelined one (plan's NOTE [sized forms])
-            keys += [("allreduce", *allreduce_kernel_key("reducescatter", world, bf16, H, spec,
-                                                         True, False, write_y or spec is None,
-                                                         False, None, M * H * 2))
-                     for M in (1, max(SEQPAR_ROWS))]
         # the call's own rows: the peer path (32 MiB workspace) and the reduce-scatters (norm_out
         # for the shards, not for gather=True)
         keys += [launched_key(world, algo, M, H, spec, True, True, True, bf16, 32 << 20)

@@ -76,6 +76,18 @@ def test_lamport_split_disjoint_and_aligned(buffer_bytes):
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("rows,hidden", [(1, 4096), (128, 4096), (128, 8192), (1000, 7168)])
+def test_buffer_for_lamport_holds_one_call(world, rows, hidden):
+    """A buffer of buffer_for_lamport(call) takes the call in one lamport launch (the benchmarks
+    size their workspace with it; a smaller one chunked 128 x 4096 at 2 ranks into two launches)."""
+    from distnorm.collectives.layout import buffer_for_lamport
+    from distnorm.collectives.plan import lamport_capacity
+    buffer_bytes = buffer_for_lamport(rows * hidden * 2, world)
+    assert lamport_capacity(world, hidden, 2, buffer_bytes) >= rows
+    assert lamport_capacity(world, hidden, 2, buffer_bytes // 2) < rows
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("hidden", [2048, 4096, 7168, 8192])
 @pytest.mark.parametrize("buffer_bytes", [32 << 20, 64 << 20, (16 << 20) + 4096 + 48])
 def test_max_chunk_rows_exact(world, hidden, buffer_bytes):

@@ -76,7 +76,7 @@ __all__ = [
     "CALL_W_LAST", "CALL_W_LAMPORT_HDR", "CALL_W_HOST_BARRIER", "HOST_BARRIER_FIRST_CALL",
     "HOST_BARRIER_RESET_A", "HOST_BARRIER_RESET_B", "LAMPORT_AREAS", "LAMPORT_SENTINEL", "LAMPORT_SENTINEL_I32",
     "LAMPORT_W_AREA", "LAMPORT_W_ARRIVE", "LAMPORT_W_VECS", "LAMPORT_STATE_WORDS",
-    "lamport_split", "push_half", "check_signal_pad",
+    "lamport_split", "buffer_for_lamport", "push_half", "check_signal_pad",
 ]
 
 MAX_CTAS = 1024   # CTA indices a barrier region has epochs and flags for
@@ -130,6 +130,12 @@ def lamport_split(buffer_bytes: int) -> tuple[int, int]:
     area = buffer_bytes // _LAMPORT_FRACTION // LAMPORT_AREAS // 16 * 16
     general = (buffer_bytes - LAMPORT_AREAS * area) // 16 * 16
     return general, area
+
+
+def buffer_for_lamport(call_bytes: int, world: int) -> int:
+    """The smallest data buffer whose lamport areas each hold one call of ``call_bytes`` bytes per
+    rank at ``world`` ranks (a call that fits takes one lamport launch, not several)."""
+    return LAMPORT_AREAS * _LAMPORT_FRACTION * (world * call_bytes + 16)
 
 
 def push_half(general: int) -> int:

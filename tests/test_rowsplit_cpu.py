@@ -192,20 +192,24 @@ def test_overlapped_chunks_start_the_next_collective_before_the_fold():
 
 
 def test_auto_form_by_received_bytes(monkeypatch):
-    """NOTE [no-peer forms]: at 2 ranks gather below 32 MiB of x and split-h from just above it
-    (the measured crossover), never split-h without a residual; at 4 ranks split above a few rows,
-    split-h once its second collective's fixed cost is small against the bytes it saves."""
+    """NOTE [no-peer forms]: the form measured fastest on each side of each measured crossover
+    (2 ranks: gather at 32 MiB of x, split-h at 64 MiB; 4 ranks: gather at 16 rows, split-h from
+    128), never split with a residual, never split-h without one."""
     from distnorm.collectives.nopeer import form_for
 
     monkeypatch.delenv("DISTNORM_NOPEER_FORM", raising=False)
     out = 8192 + 2 * 8192  # residual + y bytes of a row at H = 8192: only split counts them
-    assert form_for(2048, 8192, 2, 2, out, True) == "gather"  # 32 MiB: the tie goes to gather
-    assert form_for(2049, 8192, 2, 2, out, True) == "split-h"
-    assert form_for(16384, 8192, 2, 2, out, True) == "split-h"
     assert form_for(1, 4096, 2, 2, out, True) == "gather"
+    assert form_for(2048, 8192, 2, 2, out, True) == "gather"  # 32 MiB
+    assert form_for(8192, 4096, 2, 2, out, True) == "split-h"  # 64 MiB
+    assert form_for(16384, 8192, 2, 2, out, True) == "split-h"
     assert form_for(16384, 8192, 2, 2, out, False) == "gather"
-    assert form_for(1, 4096, 4, 2, out, True) == "gather"
-    assert form_for(128, 8192, 4, 2, out, True) == "split"  # one collective fewer
-    assert form_for(2048, 8192, 4, 2, out, True) == "split-h"
+    for H in (4096, 8192):
+        assert form_for(1, H, 4, 2, out, True) == "gather"
+        assert form_for(16, H, 4, 2, out, True) == "gather"
+        for M in (128, 512, 2048, 16384):  # split took 128 x 8192 with the old constants
+            assert form_for(M, H, 4, 2, out, True) == "split-h", (M, H)
+    for M in range(1, 4096, 37):
+        assert form_for(M, 4096, 8, 2, out, True) != "split"
     monkeypatch.setenv("DISTNORM_NOPEER_FORM", "split-h")
     assert form_for(1, 4096, 2, 2, out, False) == "split"

@@ -15,17 +15,21 @@ NOTE [no-peer forms]
   [batch invariance]). Two collectives with an all-reduce's traffic, (N - 1) / N of x and of h
   received, whatever the outputs; the epilogue runs on all M rows on every rank, as it does after
   an NCCL all-reduce.
-`form_for` takes the form that receives fewer bytes, counting each collective's fixed cost as
-COLLECTIVE_BYTES more, and the gather form's local work (the all_gather's own copy of x, the fold
-reading N copies) as 1/GATHER_LOCAL_SHARE of x's bytes more: with a residual, gather never receives
-more than split at N = 2; split wins from N = 4 above about 115 rows at H = 4096 (per-token FP8,
-residual), and split-h receives fewer than split whenever a residual is there (h is one of split's
-outputs). At N = 2 gather and split-h receive the same bytes, and the local share puts split-h from
-32 MiB of x on, where it was measured faster (2 x H200, per-token FP8 with a residual,
-benchmarks/results/fallback_splith_h200_x2.md: 8192 x 4096 (64 MiB) 346.5 vs 359.8 us, 16384 x
-8192 1222.8 vs 1372.4; at 2048 x 8192 (32 MiB) gather 191.7 vs 195.6). The constants are from
-NVLink (no multi-node machine yet), and DISTNORM_NOPEER_FORM=gather|split|split-h forces a form
-(benchmarks, tests; split-h without a residual runs split).
+`form_for` takes the form of least cost, counting its bytes received, each of its collectives'
+fixed cost as COLLECTIVE_BYTES, and the gather form's local work (the all_gather's own copy of x,
+the fold reading N copies) as 1/GATHER_LOCAL_SHARE of x's bytes. The two constants are fitted to
+the crossovers measured on H200s over NVLink, per-token FP8 with a residual: at 2 ranks gather to
+32 MiB of x (2048 x 8192: 191.7 us against split-h's 195.6), split-h from 64 MiB (8192 x 4096: 346.5
+against 359.8; benchmarks/results/fallback_splith_h200_x2.md); at 4 ranks gather to 0.25 MiB (16 x
+8192: 15.8 against 21.1), split-h from 1 MiB (128 x 4096: 30.1 against gather's 37.8 and split's
+39.5; fallback_h200_x4.md). The model puts the crossover at C / L = 41 MiB at 2 ranks and C / (1.5 +
+L) = 0.62 MiB at 4 (C = COLLECTIVE_BYTES, L = 1 / GATHER_LOCAL_SHARE), 0.18 MiB at 8 (not
+measured). With a residual split never wins: it receives x and the outputs (h among them) where
+split-h receives x and h, with the same two collectives; it was the slowest form at 128 rows at 4
+ranks, where the constants before this fit (1 MiB per collective, split counted as one) took it.
+No multi-node machine yet: over a slower network the bytes weigh more and the crossovers move
+down. DISTNORM_NOPEER_FORM=gather|split|split-h forces a form (benchmarks, tests; split-h
+without a residual runs split).
 
 Both are chunked so that the receive buffer stays within the workspace's buffer size, and
 NOTE [overlapped chunks]: chunk k + 1's collective (all_gather, or all_to_all) is issued before
@@ -52,9 +56,10 @@ from distnorm.formats import QuantSpec, q_shape, scales_geometry
 
 __all__ = ["allreduce_no_peer", "fold_epilogue", "form_for", "COLLECTIVE_BYTES"]
 
-# bytes a collective's fixed cost is worth (about 10 us at 100 GB/s): see NOTE [no-peer forms]
-COLLECTIVE_BYTES = 1 << 20
-GATHER_LOCAL_SHARE = 16  # the gather form's local work, as a share of x's bytes (NOTE above)
+# a collective's fixed cost in bytes received, and the gather form's local work as a share of
+# x's bytes: fitted to the measured crossovers (NOTE [no-peer forms])
+COLLECTIVE_BYTES = 960 << 10
+GATHER_LOCAL_SHARE = 44
 _PACK_ALIGN = 256  # byte alignment of each output's block in the packed buffer (kernel: 16)
 
 
@@ -78,11 +83,12 @@ def form_for(M: int, H: int, world: int, esize: int, out_bytes: int, has_residua
         return "split"
     if forced in NOPEER_FORMS[1:]:
         return forced
-    received = {"gather": (world - 1) * M * H * esize + M * H * esize // GATHER_LOCAL_SHARE,
-                "split": (world - 1) * M * (H * esize + out_bytes) // world + COLLECTIVE_BYTES}
+    x = M * H * esize
+    cost = {"gather": COLLECTIVE_BYTES + (world - 1) * x + x // GATHER_LOCAL_SHARE,
+            "split": 2 * COLLECTIVE_BYTES + (world - 1) * (x + M * out_bytes) // world}
     if has_residual:
-        received["split-h"] = 2 * (world - 1) * M * H * esize // world + 2 * COLLECTIVE_BYTES
-    return min(received, key=received.get)  # dict order: gather first on a tie
+        cost["split-h"] = 2 * COLLECTIVE_BYTES + 2 * (world - 1) * x // world
+    return min(cost, key=cost.get)  # dict order: gather first on a tie
 
 
 def fold_epilogue(parts: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,

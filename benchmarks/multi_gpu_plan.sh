@@ -20,7 +20,8 @@
 #   allreduce       bench_allreduce_fusion.py: fused all-reduce vs NCCL / symm-mem / unfused / FlashInfer
 #   seqpar          bench_seqpar.py: reduce-scatter + norm + quant + gather vs all-reduce and the chain
 #   fallback        bench_fallback.py --buffer-mib 256 --parts: the path without peer memory vs NCCL + fused op,
-#                   and its pieces alone (NCCL all_reduce / all_gather / all_to_all of x, the fused op, the fold)
+#                   and its pieces alone (NCCL all_reduce / all_gather / all_to_all of x, the fused op, the fold);
+#                   from 4 GPUs also the node chain (--ranks-per-node N/2: peer kernels inside each half, NCCL between)
 #   tp-layer        bench_tp_layer.py, bf16 and --fp8: the TP decoder layer in its five forms
 #   rs-forms        the reduce-scatter's "pipelined" form and the row gather's "batched" one (NOTE
 #                   [reduce-scatter rounds], NOTE [row gather batches]): their GPU test, then
@@ -84,8 +85,9 @@ case $STEP in
   allreduce) run allreduce torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_allreduce_fusion.py \
       --out "$OUT/allreduce_fusion_$tag" ;;
   seqpar) run seqpar torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_seqpar.py --out "$OUT/seqpar_$tag" ;;
-  fallback) run fallback torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_fallback.py --buffer-mib 256 \
-      --parts --out "$OUT/fallback_$tag" ;;
+  fallback) rpn=(); [ "$N" -ge 4 ] && rpn=(--ranks-per-node $((N / 2)))  # and the node chain of two N/2-GPU "nodes"
+      run fallback torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_fallback.py --buffer-mib 256 \
+      --parts "${rpn[@]}" --out "$OUT/fallback_$tag" ;;
   tp-layer) run tp_layer torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_tp_layer.py --model 8b \
       --out "$OUT/tp_layer_$tag"
             run tp_layer_fp8 torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_tp_layer.py --model 8b --fp8 \

@@ -161,6 +161,21 @@ def test_auto_never_fails_where_twoshot_fits(world):
         plan_launch("oneshot", world, 4099, 16384, 2, 8 << 20, True, False, False)
 
 
+def test_auto_takes_the_measured_fastest_past_lamport():
+    """Where lamport does not apply, one-shot only as far as it beat two-shot (ONESHOT_CROSSOVER
+    _BYTES): 128 x 4096 at 4 ranks and 512 x 8192 at 2 ran one-shot (22.2 / 35.6 us) where two-shot
+    takes 13.8 / 32.1; a workspace too small for lamport gets one-shot for a few rows only."""
+    from distnorm.collectives.plan import choose_algo
+    big, small = 1 << 30, 1 << 20  # lamport holds every call here / almost none
+    assert choose_algo("auto", 4, 128, 4096, 2, big) == "twoshot"
+    assert choose_algo("auto", 2, 512, 8192, 2, big) == "twoshot"
+    assert choose_algo("auto", 2, 512, 4096, 2, big) == "lamport"
+    assert choose_algo("auto", 4, 8, 4096, 2, small) == "oneshot"
+    assert choose_algo("auto", 4, 32, 4096, 2, small) == "twoshot"
+    assert choose_algo("auto", 2, 32, 4096, 2, small) == "oneshot"
+    assert choose_algo("auto", 2, 128, 4096, 2, small) == "twoshot"
+
+
 def test_choose_algo_rejects_unknown():
     from distnorm.collectives.plan import ALGOS, choose_algo
     assert ALGOS == ("auto", "lamport", "oneshot", "twoshot")

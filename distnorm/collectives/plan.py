@@ -115,9 +115,16 @@ def knob(algo: str) -> str:
 # World 8: NOT measured (8-GPU machines were not lent): world 4's, to be replaced.
 LAMPORT_CROSSOVER_BYTES = {2: 4 << 20, 4: 512 << 10, 8: 512 << 10}
 LAMPORT_CROSSOVER_BYTES_PLAIN = {2: 8 << 20, 4: 512 << 10, 8: 512 << 10}  # distnorm.allreduce
-# Bytes per rank up to which the barrier one-shot beats two-shot when lamport does not apply
-# (M beyond one lamport area): one-shot lost to lamport or two-shot at every measured size.
-ONESHOT_CROSSOVER_BYTES = {2: 8 << 20, 4: 1 << 20, 8: 512 << 10}
+# Bytes per rank up to which the barrier one-shot beats two-shot, for calls lamport does not take
+# (beyond its crossover, or more rows than one lamport area holds). Fused FP8 against today's
+# two-shot forms: world 2 (allreduce_fusion_wide_h200_x2.md) one-shot 8.1 vs two-shot 8.9 us at
+# 256 KiB (32 x 4096), two-shot 10.3 vs 10.7 at 1 MiB, 19.6 vs 22.5 at 4 MiB, 32.1 vs 35.6 at 8 MiB;
+# world 4 (allreduce_fusion_rows_h200_x4.md) one-shot 8.4 vs 8.9 at 64 KiB (8 x 4096), two-shot 9.5
+# vs 11.2 at 256 KiB, 13.8 vs 22.2 at 1 MiB. The table before (8 MiB / 1 MiB, from before the wide
+# and rounds two-shot forms, the lamport crossover at 4 ranks since lowered to 512 KiB) sent
+# (lamport's crossover, 8 MiB] at 2 ranks and (512 KiB, 1 MiB] at 4 to one-shot: 128 x 4096 at 4
+# ranks ran 22.2 us where two-shot takes 13.8. World 8: NOT measured, world 4's.
+ONESHOT_CROSSOVER_BYTES = {2: 512 << 10, 4: 128 << 10, 8: 128 << 10}
 
 
 def _by_world(table: Mapping[int, int], world: int) -> int:

@@ -191,6 +191,33 @@ def test_overlapped_chunks_start_the_next_collective_before_the_fold():
         assert log == want, (M, overlap, log)
 
 
+@pytest.mark.parametrize("table", ["fallback_h200_x2", "fallback_h200_x4"])
+def test_auto_form_is_the_fastest_of_the_latest_table(table, monkeypatch):
+    """The latest committed no-peer table per world size (every form forced, per-token FP8 with a
+    residual): at every row the form form_for picks is within 3% of the fastest."""
+    import json
+    import os
+
+    from distnorm.collectives.nopeer import form_for, out_row_bytes
+    from distnorm.formats import make_quant_spec
+
+    monkeypatch.delenv("DISTNORM_NOPEER_FORM", raising=False)
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "benchmarks", "results", table + ".json")
+    with open(path) as f:
+        run = json.load(f)
+    spec = make_quant_spec("fp8_per_token")
+    slow = []
+    for row in run["rows"]:
+        M, H = row["M"], row["H"]
+        out = out_row_bytes(spec, H, torch.bfloat16, True, False)
+        form = form_for(M, H, run["meta"]["world"], 2, out, True)
+        us = {k: row[k] for k in ("gather", "split", "split-h")}
+        if us[form] > 1.03 * min(us.values()):
+            slow.append((M, H, form, us))
+    assert not slow, slow
+
+
 def test_auto_form_by_received_bytes(monkeypatch):
     """NOTE [no-peer forms]: the form measured fastest on each side of each measured crossover
     (2 ranks: gather at 32 MiB of x, split-h at 64 MiB; 4 ranks: gather at 16 rows, split-h from

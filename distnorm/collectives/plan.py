@@ -214,10 +214,18 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
 # rounds overlap its heavier epilogue (gathered NVFP4 8192 x 8192 348.3 serial vs 333.1 pipelined,
 # 16384 x 8192 675.6 vs 646.0; 2048 x 4096 62.3 vs 66.4): sized_ladder picks the ladder.
 # benchmarks/results/seqpar_h200_x2.md (2026-11-27, sixth session) and seqpar_rsgather_h200_x2.md.
+# Since the scales go with q (NOTE [gather in the epilogue]) packed FP4 has a ladder of its own, by
+# world size: gathered NVFP4 at 2 ranks (seqpar_rounds_h200_x2.md) ties at 32 MiB (2048 x 8192:
+# 88.2 serial, 88.3 pipelined) and is pipelined faster from 64 MiB (8192 x 4096 162.1 vs 168.1,
+# 16384 x 8192 608.5 vs 635.1); at 4 ranks (seqpar_merged_h200_x4.md) serial is faster up to 128
+# MiB (2048 x 8192 122.8 vs 137.0, 8192 x 4096 216.2 vs 233.4, 16384 x 4096 420.4 vs 429.5; 8192 x
+# 8192 433.7 vs 429.6) and pipelined from 256 MiB (16384 x 8192 826.3 vs 836.7); 8 ranks: 4's.
 _TWOSHOT_WORLD4 = ((0, "push-wide"), (16 << 20, "pull"), (32 << 20, "push"),
                    (64 << 20, "push-rounds"))
 SIZED_FORMS = {"reducescatter": {0: ((0, "serial"), (32 << 20, "pipelined"))},
                "rsgather": {0: ((0, "serial"),)},
+               "rsgather_fp4": {2: ((0, "serial"), (64 << 20, "pipelined")),
+                                4: ((0, "serial"), (256 << 20, "pipelined"))},
                "rowgather": {0: ((0, "unit"), (8 << 20, "batched"))},
                "twoshot": {2: ((0, "push"), (64 << 20, "push-rounds")),
                            4: _TWOSHOT_WORLD4, 8: _TWOSHOT_WORLD4}}
@@ -225,8 +233,10 @@ SIZED_FORMS = {"reducescatter": {0: ((0, "serial"), (32 << 20, "pipelined"))},
 
 def sized_ladder(algo: str, packed_fp4: bool = False) -> str:
     """The SIZED_FORMS entry `algo`'s "auto" form reads (NOTE [sized forms]): its own, else its
-    knob's; rsgather's own only for 1-byte codes (packed FP4 keeps the reduce-scatter's)."""
-    if algo in SIZED_FORMS and not (algo == "rsgather" and packed_fp4):
+    knob's; rsgather's for 1-byte codes, "rsgather_fp4" for packed FP4."""
+    if algo == "rsgather" and packed_fp4:
+        return "rsgather_fp4"
+    if algo in SIZED_FORMS:
         return algo
     return knob(algo)
 

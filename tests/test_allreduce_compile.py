@@ -182,14 +182,9 @@ def test_auto_is_the_fastest_algorithm_of_the_latest_table(table):
     row, for the fused FP8, bf16-norm and plain cases, the algorithm `auto` picks for that call
     (with the run's buffer) is within 3% of the fastest. A crossover table that falls behind the
     kernels fails here (the one-shot table did: 128 x 4096 at 4 ranks, 22.2 us against 13.8)."""
-    import json
-    import os
-
+    from committed_tables import committed_table
     from distnorm.collectives.plan import choose_algo
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "benchmarks", "results", table + ".json")
-    with open(path) as f:
-        run = json.load(f)
+    run = committed_table(table)
     world, buffer_bytes = run["meta"]["world"], run["meta"]["buffer_mib"] << 20
     slow = []
     for row in run["rows"]:

@@ -195,17 +195,12 @@ def test_overlapped_chunks_start_the_next_collective_before_the_fold():
 def test_auto_form_is_the_fastest_of_the_latest_table(table, monkeypatch):
     """The latest committed no-peer table per world size (every form forced, per-token FP8 with a
     residual): at every row the form form_for picks is within 3% of the fastest."""
-    import json
-    import os
-
+    from committed_tables import committed_table
     from distnorm.collectives.nopeer import form_for, out_row_bytes
     from distnorm.formats import make_quant_spec
 
     monkeypatch.delenv("DISTNORM_NOPEER_FORM", raising=False)
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "benchmarks", "results", table + ".json")
-    with open(path) as f:
-        run = json.load(f)
+    run = committed_table(table)
     spec = make_quant_spec("fp8_per_token")
     slow = []
     for row in run["rows"]:

@@ -174,18 +174,13 @@ def test_gathered_forms_are_the_fastest_of_the_latest_table(table):
     """The latest committed sequence-parallel table per world size (the gathering reduce-scatter
     forced serial and pipelined, static FP8 and NVFP4): the form `auto` picks for each row (the
     kernel key's, by format and bytes: NOTE [sized forms]) is within 3% of the faster."""
-    import json
-    import os
-
     import torch
+    from committed_tables import committed_table
 
     from distnorm.collectives.dispatch import allreduce_kernel_key
     from distnorm.collectives.plan import Tuning
     from distnorm.formats import make_quant_spec
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "benchmarks", "results", table + ".json")
-    with open(path) as f:
-        run = json.load(f)
+    run = committed_table(table)
     auto = Tuning(reducescatter_form="auto", rowgather_form="auto")
     slow = []
     for row in run["rows"]:

@@ -13,3 +13,8 @@ def committed_table(name: str) -> dict:
     """benchmarks/results/<name>.json: {"meta": {...}, "rows": [{column: value}, ...]}."""
     with open(os.path.join(RESULTS, name + ".json")) as f:
         return json.load(f)
+
+
+def slower_than_fastest(us: dict, pick: str, tolerance: float = 1.03) -> bool:
+    """Whether `pick`'s time in `us` ({choice: us per call}) is over `tolerance` x the fastest."""
+    return us[pick] > tolerance * min(us.values())

@@ -175,7 +175,7 @@ def test_gathered_forms_are_the_fastest_of_the_latest_table(table):
     forced serial and pipelined, static FP8 and NVFP4): the form `auto` picks for each row (the
     kernel key's, by format and bytes: NOTE [sized forms]) is within 3% of the faster."""
     import torch
-    from committed_tables import committed_table
+    from committed_tables import committed_table, slower_than_fastest
 
     from distnorm.collectives.dispatch import allreduce_kernel_key
     from distnorm.collectives.plan import Tuning
@@ -190,6 +190,6 @@ def test_gathered_forms_are_the_fastest_of_the_latest_table(table):
             form = allreduce_kernel_key("rsgather", run["meta"]["world"], torch.bfloat16, row["H"],
                                         make_quant_spec(quant), True, False, False, False, auto,
                                         row["M"] * row["H"] * 2)[-1]
-            if us[form] > 1.03 * min(us.values()):
+            if slower_than_fastest(us, form):
                 slow.append((row["M"], row["H"], fmt, form, us))
     assert not slow, slow

@@ -215,9 +215,8 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
 # 16384 x 8192 675.6 vs 646.0; 2048 x 4096 62.3 vs 66.4; benchmarks/results/seqpar_h200_x2.md,
 # 2026-11-27, sixth session, and seqpar_rsgather_h200_x2.md). Since the scales go with q, packed
 # FP4 has a ladder of its own, by world size: gathered NVFP4 at 2 ranks (seqpar_rounds_h200_x2.md)
-# ties at 32 MiB (2048 x 8192:
-# 88.2 serial, 88.3 pipelined) and is pipelined faster from 64 MiB (8192 x 4096 162.1 vs 168.1,
-# 16384 x 8192 608.5 vs 635.1); at 4 ranks (seqpar_merged_h200_x4.md) serial is faster up to 128
+# ties at 32 MiB (2048 x 8192: 88.2 serial, 88.3 pipelined) and is pipelined faster from 64 MiB
+# (8192 x 4096 162.1 vs 168.1, 16384 x 8192 608.5 vs 635.1); at 4 ranks (seqpar_merged_h200_x4.md) serial is faster up to 128
 # MiB (2048 x 8192 122.8 vs 137.0, 8192 x 4096 216.2 vs 233.4, 16384 x 4096 420.4 vs 429.5; 8192 x
 # 8192 433.7 vs 429.6) and pipelined from 256 MiB (16384 x 8192 826.3 vs 836.7); 8 ranks: 4's.
 # sized_ladder picks the ladder.

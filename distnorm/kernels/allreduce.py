@@ -274,8 +274,10 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
     @cute.jit
     def _unless_failed(self, failed: Int32, groups: Int32) -> Int32:
         """``groups``, or 0 after a failed barrier (NOTE [a failed rank arrives nowhere]): the
-        rest of the launch writes nothing, to peers or outputs. ``failed`` is the same on every
-        thread of the CTA, so the epilogue's CTA barriers stay matched."""
+        loops that write to peers after a barrier write nothing more (the one-shot's epilogue,
+        which writes only this rank's outputs, runs unbounded: NOTE [unbounded after failure]).
+        ``failed`` is the same on every thread of the CTA, so the epilogue's CTA barriers stay
+        matched."""
         n = groups
         if failed != Int32(0):
             n = Int32(0)
@@ -361,11 +363,16 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
                         if Int32(s) != rank:
                             self.core.store_row(rT, self._row_view(mBuf[s], off, dtype), lane,
                                                 dtype)
-        failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+        self._barrier(mSig, rank, bidx, timeout, mErr, sig)  # a failure is in the error word
 
-        # phase 2: ordered float32 sum of the N slots, residual add, epilogue
+        # phase 2: ordered float32 sum of the N slots, residual add, epilogue. NOTE [unbounded
+        # after failure]: this loop runs all its groups even after a failed barrier: it reads only
+        # my own buffer and writes only my outputs (undefined in a failing call), and a bound made
+        # from the barrier's result cost 0.046 us per call at 1-128 rows on 2 x H200
+        # (benchmarks/results/faults_parts_ab_h200_x2.md, "bound"). Phases that write to peers
+        # after a barrier (two-shot, the reduce-scatter's gather) keep _unless_failed.
         base = mBuf[rank]
-        for g in range(bidx, self._unless_failed(failed, groups), nblk):
+        for g in range(bidx, groups, nblk):
             row = g * t.rows_per_cta + row_in_cta
             row_valid = row < m
             self._reduce_row(rH, rR, rT, mX, mR, mRout, mAR, base, slot_elems, row, row, row,

@@ -162,6 +162,9 @@ def _body_rank_leaves(when: str, algo: str, exits: bool) -> None:
                   f"{str(e.value)[:200]}", flush=True)
             limit = HOST_TIMEOUT_S if algo == "lamport" and when == "before_first_call" else KERNEL_TIMEOUT_S
             assert took < limit + 3.0, took
+            # the error names the rank that left (lamport's checker CTA, waiting for descriptors,
+            # may record first: peer -1, "a descriptor")
+            assert e.value.peer in ((1, -1) if algo == "lamport" else (1,)), e.value
             if exits:
                 return
             boot.barrier()

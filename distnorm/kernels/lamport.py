@@ -55,7 +55,8 @@ from distnorm.formats import VEC
 from distnorm.kernels.norm_quant import half_name
 from distnorm.kernels.sync import (SPIN_CHECK_MASK, atom_add_acq_rel_gpu_u32, gave_up,
                                    globaltimer_ns, ld_volatile_sys_u32, ld_volatile_sys_v4_u32,
-                                   record_mismatch, st_volatile_sys_v4_u32, st_volatile_u32)
+                                   must_stop, record_mismatch, st_volatile_sys_v4_u32,
+                                   st_volatile_u32)
 
 __all__ = ["sanitize_word", "LamportOneShot"]
 
@@ -167,6 +168,13 @@ class LamportOneShot:
     # (one stream per workspace; with programmatic dependent launch the kernel waits for its
     # predecessor before its first memory access, NOTE [programmatic dependent launch]) and a call
     # never writes more than one area (max_chunk_rows("lamport")). oneshot / twoshot do not touch the lamport areas.
+    @staticmethod
+    def _or_sentinels(pending, a, b, c, d):
+        """`pending`, or 1 where one of the four words still holds the sentinel (NOTE [lamport
+        sentinel]: a word of -1 is not yet written)."""
+        pending = pending | Int32(a == Int32(-1)) | Int32(b == Int32(-1))
+        return pending | Int32(c == Int32(-1)) | Int32(d == Int32(-1))
+
     @cute.jit
     def _load_vector(self, rAll, s: cutlass.Constexpr, j: cutlass.Constexpr, src: Int64, v):
         """Vector v of the slot at `src` (volatile, system scope) into words (s * nv + j) * 4 ...
@@ -212,9 +220,9 @@ class LamportOneShot:
             else:
                 for j in cutlass.range_constexpr(t.vecs_per_thread):
                     if const_expr(t.exact) or lane + j * t.row_threads < t.vecs:
-                        for w in cutlass.range_constexpr(4):
-                            pend_s = pend_s | Int32(rAll[(s * t.vecs_per_thread + j) * 4 + w]
-                                                    == Int32(-1))
+                        w0 = (s * t.vecs_per_thread + j) * 4
+                        pend_s = self._or_sentinels(pend_s, rAll[w0], rAll[w0 + 1], rAll[w0 + 2],
+                                                    rAll[w0 + 3])
             if (pend_s != Int32(0)) & (Int32(s) != rank):
                 late = Int32(s)
         return late
@@ -380,8 +388,7 @@ class LamportOneShot:
                                 v = lane + j * t.row_threads
                                 if const_expr(t.exact) or v < t.vecs:
                                     a, b, c, d = self._load_vector(rAll, s, j, src, v)
-                                    pend_s = pend_s | Int32(a == Int32(-1)) | Int32(b == Int32(-1))
-                                    pend_s = pend_s | Int32(c == Int32(-1)) | Int32(d == Int32(-1))
+                                    pend_s = self._or_sentinels(pend_s, a, b, c, d)
                             pending = pending | (pend_s & peer)
                     if pending != Int32(0):
                         spins = spins + Int32(1)
@@ -391,7 +398,7 @@ class LamportOneShot:
                         # rows on 2 x H200, faults_lamport_parts2_ab_h200_x2.md)
                         if (spins & Int32(SPIN_CHECK_MASK)) == Int32(0):
                             missing = self._late_slot(rAll, rWait, rank, lane)
-                            if gave_up(Int32(0), t0, timeout, err_addr, dev_err_addr, missing, k) \
+                            if must_stop(t0, timeout, err_addr, dev_err_addr, missing, k) \
                                     != Int32(0):
                                 pending = Int32(0)
                 # float32 sum over the slots in rank order (the other algorithms' order)

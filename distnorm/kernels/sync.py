@@ -47,7 +47,7 @@ __all__ = [
     "st_relaxed_sys_u32", "st_volatile_u32", "atomic_cas_sys_u32", "atomic_add_gpu_u32",
     "atom_add_acq_rel_gpu_u32", "fence_acq_rel_sys", "globaltimer_ns", "ld_volatile_sys_v4_u32",
     "st_volatile_sys_v4_u32", "ld_acquire_sys_u32x2", "st_release_sys_u32x2", "cta_barrier",
-    "record_timeout", "record_mismatch", "gave_up", "barrier_or", "SPIN_CHECK_MASK",
+    "record_timeout", "record_mismatch", "gave_up", "must_stop", "barrier_or", "SPIN_CHECK_MASK",
 ]
 
 SPIN_CHECK_MASK = 255  # spinning threads look at %globaltimer and the device error word every 256 polls
@@ -181,19 +181,28 @@ def record_mismatch(err_addr: Int64, dev_err_addr: Int64, peer: Int32, word: Int
 
 
 @cute.jit
+def must_stop(t0: Int64, timeout: Int64, err_addr: Int64, dev_err_addr: Int64, peer: Int32,
+              epoch: Int32) -> Int32:
+    """A spinning wait's check when it is due: 1 when it must stop -- another wait already failed
+    (the device error word is set) or this one has waited `timeout` ns since t0 (then recorded as
+    a timeout on `peer`, record_timeout) -- else 0."""
+    stop = Int32(0)
+    if ld_volatile_sys_u32(dev_err_addr) != Int32(0):
+        stop = Int32(1)  # another thread / CTA already failed: stop too
+    else:
+        if globaltimer_ns() - t0 > timeout:
+            record_timeout(err_addr, dev_err_addr, peer, epoch)
+            stop = Int32(1)
+    return stop
+
+
+@cute.jit
 def gave_up(spins: Int32, t0: Int64, timeout: Int64, err_addr: Int64, dev_err_addr: Int64,
             peer: Int32, epoch: Int32) -> Int32:
-    """A spinning wait's check, every SPIN_CHECK_MASK + 1 spins: 1 when it must stop -- another
-    wait already failed (the device error word is set) or this one has waited `timeout` ns since
-    t0 (then recorded as a timeout on `peer`, record_timeout) -- else 0."""
+    """must_stop, due every SPIN_CHECK_MASK + 1 spins (else 0)."""
     stop = Int32(0)
     if (spins & Int32(SPIN_CHECK_MASK)) == Int32(0):
-        if ld_volatile_sys_u32(dev_err_addr) != Int32(0):
-            stop = Int32(1)  # another thread / CTA already failed: stop too
-        else:
-            if globaltimer_ns() - t0 > timeout:
-                record_timeout(err_addr, dev_err_addr, peer, epoch)
-                stop = Int32(1)
+        stop = must_stop(t0, timeout, err_addr, dev_err_addr, peer, epoch)
     return stop
 
 

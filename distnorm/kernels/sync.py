@@ -308,16 +308,12 @@ def cta_barrier(signal_ptrs: cute.Tensor, rank: Int32, world: cutlass.Constexpr[
                 if (v - epoch) >= Int32(0):
                     waiting = Int32(0)
                 spins = spins + Int32(1)
-                # gave_up's test, written out: its call here compiles to other PTX, and this
-                # barrier is what every GPU run so far has measured
+                # gave_up's gate written out (its call here compiles to other PTX, and this
+                # barrier is what every GPU run so far has measured), then its due check
                 if (spins & Int32(SPIN_CHECK_MASK)) == Int32(0):
                     if waiting != Int32(0):
-                        if ld_volatile_sys_u32(dev_err_addr) != Int32(0):
-                            waiting = Int32(0)  # another thread / CTA already failed: stop too
-                        else:
-                            if globaltimer_ns() - t0 > timeout:
-                                record_timeout(err_addr, dev_err_addr, tidx, epoch)
-                                waiting = Int32(0)
+                        if must_stop(t0, timeout, err_addr, dev_err_addr, tidx, epoch) != Int32(0):
+                            waiting = Int32(0)
             if (v - epoch) >= Int32(0):
                 if peer_sig != Int32(signature):
                     record_mismatch(err_addr, dev_err_addr, tidx, Int32(-1), peer_sig)

@@ -193,9 +193,9 @@ def test_overlapped_chunks_start_the_next_collective_before_the_fold():
 
 @pytest.mark.parametrize("table", ["fallback_h200_x2", "fallback_h200_x4", "fallback_h100_x4"])
 def test_auto_form_is_the_fastest_of_the_latest_table(table, monkeypatch):
-    """The committed no-peer tables (2 x H200, 4 x H200, 4 x H100; every form forced, per-token
-    FP8 with a residual): at every row the form form_for picks is within 3% of
-    the fastest."""
+    """The latest committed no-peer table per world size and GPU (2 x H200, 4 x H200, 4 x H100;
+    every form forced, per-token FP8 with a residual): at every row the form form_for picks is
+    within 3% of the fastest."""
     from committed_tables import committed_table, slower_than_fastest
     from distnorm.collectives.nopeer import form_for, out_row_bytes
     from distnorm.formats import make_quant_spec

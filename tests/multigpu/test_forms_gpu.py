@@ -138,10 +138,12 @@ def _body_reducescatter_forms_agree() -> None:
     pipelined form's rows by the row gather's batched form, NOTE [row gather batches]):
     the shard's residual, y, q and scales and the gathered rows bitwise those of the "serial" form
     and of allreduce_add_rmsnorm's rows; then the two forms back to back (with the all-reduce
-    between them), never synchronized, bitwise the same again."""
+    between them), never synchronized, bitwise the same again; after a reset both forms' gathered
+    q and y of new inputs are the all-reduce's."""
     import dataclasses
 
     import distnorm
+    from distnorm.collectives import reset
     from distnorm.collectives.state import state_of
     from distnorm.comm import Workspace
 
@@ -206,6 +208,20 @@ def _body_reducescatter_forms_agree() -> None:
             shards = [outputs(last[form]) for form in REDUCESCATTER_FORMS]
             assert all(p is None and q is None or torch.equal(p, q)
                        for p, q in zip(*shards)), "back to back: the forms' outputs differ"
+            # after a reset (barrier epochs and the copy-out's arrival counts zeroed: NOTE
+            # [copy-out by rounds]) gathered rows of new inputs are the all-reduce's again
+            reset(ws)
+            qname, M, max_ctas = RS_CASES[1]
+            kw, _ = quant_kwargs(qname)
+            x, res, w = make_inputs(M, H, ws.rank, 98, world=ws.world_size)
+            want = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, norm_out=True,
+                                                  **kw)
+            for form in REDUCESCATTER_FORMS:
+                got = outputs(run(form, qname, M, max_ctas, True, x, res, w, kw))
+                torch.cuda.synchronize()
+                ws.raise_if_failed()
+                assert torch.equal(got[2], as_bytes(want.q)), f"after reset: {form} q"
+                assert torch.equal(got[1], as_bytes(want.y)), f"after reset: {form} y"
         try:
             gathered_check(boot, check)
         finally:

@@ -12,9 +12,8 @@ test_barrier_protocol.py); a rank's next call starts once all its CTAs finished 
 its own call. With the halves and two barriers the model finds no bad read; with the layout
 before them (gather rows right after the scatter slots) it finds one unless two-shot keeps its
 third barrier -- which is why that barrier existed. The reduce-scatter that gathers q in its
-epilogue (NOTE [gather in the epilogue] in kernels/reducescatter.py) is modelled the same way, and
-its copy-out by rounds (NOTE [copy-out by rounds]) with two more kinds of step: "put" sets a count
-in a peer's signal pad, "wait" passes once a count in the rank's own has reached a value.
+epilogue (NOTE [gather in the epilogue] in kernels/reducescatter.py) is modelled the same way, in
+both its forms (NOTE [copy-out by rounds]).
 """
 from __future__ import annotations
 
@@ -103,20 +102,14 @@ def _rsgather_steps(world: int, rank: int, S: int, early: bool = False) -> list:
     return steps
 
 
-def _rsrounds_steps(world: int, ctas: int, rank: int, S: int, form: str, call: int) -> list:
-    """NOTE [copy-out by rounds], per CTA: CTA b's rows i (i % ctas == b) one per round. Options
-    joined by "+": "serial" (all x rows pushed, barrier; per round: the slots read, q rows into
-    every peer's q area, "put" arrived[rank][b] = tag + r + 1 into every peer's pad, from round 1
-    "wait" for every peer's arrived[s][b] >= tag + r and read round r - 1's q rows; final barrier,
-    the last round read) or "pipelined" (round r + 1's x rows pushed before round r is finished,
-    a barrier after each round but the last, then that round's q rows read; final barrier, the
-    last round read). tag = 8 x the call's index: it grows from call to call, as the kernel's
-    epoch does. Wrong orders, to show the model can fail: "no-arrived" copies without waiting,
-    "early-arrived" puts before the round's q rows, "same-tag" puts the same counts every call."""
-    opts = set(form.split("+"))
+def _rsrounds_steps(world: int, ctas: int, rank: int, S: int, early_copy: bool) -> list:
+    """The pipelined reduce-scatter that gathers q (NOTE [reduce-scatter rounds], NOTE [copy-out
+    by rounds]), per CTA: CTA b's rows i (i % ctas == b), one per round; round 0's x rows pushed,
+    barrier; per round: the next round's x rows pushed, this round's slots read and its q rows
+    into every peer's q area, a barrier after each round but the last and then that round's q rows
+    of the other shards read from my own q area; final barrier, the last round's read. early_copy:
+    each round's read before its barrier (a wrong order, to show the model can fail)."""
     peers = [t for t in range(world) if t != rank]
-    tag = 0 if "same-tag" in opts else 8 * call
-    early = "early-arrived" in opts
     per_cta = []
     for b in range(ctas):
         rows = [i for i in range(S) if i % ctas == b]
@@ -124,32 +117,17 @@ def _rsrounds_steps(world: int, ctas: int, rank: int, S: int, form: str, call: i
         def x_out(rs):
             return [("write", t, tuple(("L", rank * S + i) for i in rs)) for t in peers if rs]
 
-        def landed(r, b=b):
-            return [("put", t, ("arrived", rank, b), tag + r + 1) for t in peers]
-
         def copy_out(r, rows=rows):
             return [("read", rank, tuple(("U", s * S + rows[r]) for s in peers))]
 
-        steps = []
-        if "serial" in opts:
-            steps += x_out(rows) + [("barrier",)]
-            for r, i in enumerate(rows):
-                steps.append(("read", rank, tuple(("L", s * S + i) for s in peers)))
-                steps += (landed(r) if early else []) + \
-                    [("write", t, (("U", rank * S + i),)) for t in peers]
-                steps += [] if early else landed(r)
-                if r >= 1:
-                    if "no-arrived" not in opts:
-                        steps += [("wait", ("arrived", s, b), tag + r) for s in peers]
-                    steps += copy_out(r - 1)
-        else:
-            steps += x_out(rows[:1]) + [("barrier",)]
-            for r, i in enumerate(rows):
-                steps += x_out(rows[r + 1:r + 2])
-                steps.append(("read", rank, tuple(("L", s * S + i) for s in peers)))
-                steps += [("write", t, (("U", rank * S + i),)) for t in peers]
-                if r + 1 < len(rows):
-                    steps += [("barrier",)] + copy_out(r)
+        steps = x_out(rows[:1]) + [("barrier",)]
+        for r, i in enumerate(rows):
+            steps += x_out(rows[r + 1:r + 2])
+            steps.append(("read", rank, tuple(("L", s * S + i) for s in peers)))
+            steps += [("write", t, (("U", rank * S + i),)) for t in peers]
+            if r + 1 < len(rows):
+                steps += (copy_out(r) + [("barrier",)]) if early_copy else \
+                    ([("barrier",)] + copy_out(r))
         steps += [("barrier",)] + copy_out(len(rows) - 1)
         per_cta.append(tuple(steps))
     return per_cta
@@ -169,9 +147,9 @@ def _program(world: int, ctas: int, calls: list, rank: int, halves: bool,
              final_barrier: bool) -> list:
     """Per call, per CTA: its steps (a cell goes to CTA _cta_of; barriers to every CTA)."""
     prog = []
-    for call, (algo, size, form) in enumerate(calls):
+    for algo, size, form in calls:
         if algo == "rsrounds":
-            prog.append(tuple(_rsrounds_steps(world, ctas, rank, size, form, call)))
+            prog.append(tuple(_rsrounds_steps(world, ctas, rank, size, form == "early-copy")))
             continue
         if algo == "oneshot":
             steps = _oneshot_steps(world, rank, size)
@@ -200,17 +178,16 @@ def _bad_reads(shape: tuple, calls: list, halves: bool, final_barrier: bool) -> 
     world, ctas = shape
     progs = [_program(world, ctas, calls, r, halves, final_barrier) for r in range(world)]
     # state: per rank, per CTA: (call, step); buffers: per rank, sorted (cell, call) pairs
-    # counts: per rank, sorted (key, value) pairs of its signal pad's counts
     start = (tuple(tuple((0, 0) for _ in range(ctas)) for _ in range(world)),
-             tuple(() for _ in range(world)), tuple(() for _ in range(world)))
+             tuple(() for _ in range(world)))
     bad: set = set()
     seen = {start}
     stack = [start]
     while stack:
-        pos, bufs, counts = stack.pop()
+        pos, bufs = stack.pop()
         for r in range(world):
             for b in range(ctas):
-                nxt = _step(progs, pos, bufs, counts, r, b, bad)
+                nxt = _step(progs, pos, bufs, r, b, bad)
                 if nxt is not None and nxt not in seen:
                     seen.add(nxt)
                     stack.append(nxt)
@@ -221,7 +198,7 @@ def _barrier_index(steps, j: int) -> int:
     return sum(1 for s in steps[:j] if s[0] == "barrier")
 
 
-def _step(progs, pos, bufs, counts, r: int, b: int, bad: set):
+def _step(progs, pos, bufs, r: int, b: int, bad: set):
     """The state after CTA b of rank r takes its next step, or None when it cannot."""
     world, ctas = len(pos), len(pos[0])
     c, j = pos[r][b]
@@ -231,20 +208,8 @@ def _step(progs, pos, bufs, counts, r: int, b: int, bad: set):
         return None  # stream order: the rank's previous kernel has a CTA still running
     steps = progs[r][c][b]
     if j == len(steps):  # this CTA is done with call c
-        return _moved(pos, r, b, (c + 1, 0)), bufs, counts
+        return _moved(pos, r, b, (c + 1, 0)), bufs
     kind, *rest = steps[j]
-    if kind in ("put", "wait"):  # a count in a peer's signal pad (put) or in rank r's own (wait)
-        if kind == "wait":
-            key, value = rest
-            if dict(counts[r]).get(key, 0) < value:
-                return None
-            return _moved(pos, r, b, (c, j + 1)), bufs, counts
-        pad, key, value = rest
-        mine = dict(counts[pad])
-        mine[key] = value
-        new_counts = tuple(tuple(sorted(mine.items())) if t == pad else counts[t]
-                           for t in range(world))
-        return _moved(pos, r, b, (c, j + 1)), bufs, new_counts
     if kind == "barrier":
         k = _barrier_index(steps, j)
         for t in range(world):  # CTA b of every rank arrived at barrier k of call c
@@ -254,7 +219,7 @@ def _step(progs, pos, bufs, counts, r: int, b: int, bad: set):
             if tc == c and tj < len(progs[t][c][b]) and _barrier_index(progs[t][c][b], tj) == k \
                     and progs[t][c][b][tj][0] != "barrier":
                 return None
-        return _moved(pos, r, b, (c, j + 1)), bufs, counts
+        return _moved(pos, r, b, (c, j + 1)), bufs
     owner, cells = rest
     buf = dict(bufs[owner])
     if kind == "write":
@@ -262,11 +227,11 @@ def _step(progs, pos, bufs, counts, r: int, b: int, bad: set):
             buf[cell] = c
         new_bufs = tuple(tuple(sorted(buf.items())) if t == owner else bufs[t]
                          for t in range(world))
-        return _moved(pos, r, b, (c, j + 1)), new_bufs, counts
+        return _moved(pos, r, b, (c, j + 1)), new_bufs
     for cell in cells:
         if buf.get(cell) != c:
             bad.add((c, r, owner, cell, buf.get(cell)))
-    return _moved(pos, r, b, (c, j + 1)), bufs, counts
+    return _moved(pos, r, b, (c, j + 1)), bufs
 
 
 def _moved(pos, r: int, b: int, to) -> tuple:
@@ -391,32 +356,27 @@ def test_epilogue_gather_model_can_fail():
     calls = [("rsgather", 1, "early"), ("rsgather", 2, "early")]
     assert any(_bad_reads(shape, calls, halves=True, final_barrier=False) for shape in SHAPES)
 
-
-# NOTE [copy-out by rounds]: two rounds per CTA (2 ranks x 2 CTAs: 4 rows; 3 ranks x 1 CTA: 2), the
-# serial form's arrival counts and the pipelined form's barriers, back to back and beside the other
-# algorithms
+# NOTE [copy-out by rounds]: the pipelined form's rounds (two per CTA: 2 ranks x 2 CTAs, 4 rows;
+# 3 ranks x 1 CTA, 2 rows), back to back and beside the other algorithms
 RSROUNDS_SEQUENCES = {
-    "serial-serial": [("rsrounds", 2, "serial"), ("rsrounds", 2, "serial")],
-    "pipelined-pipelined": [("rsrounds", 2, "pipelined"), ("rsrounds", 2, "pipelined")],
-    "serial-pipelined-serial": [("rsrounds", 2, "serial"), ("rsrounds", 2, "pipelined"),
-                                ("rsrounds", 2, "serial")],
-    "serial-oneshot": [("rsrounds", 2, "serial"), ("oneshot", 2, None)],
-    "push-serial": [("twoshot", 1, "push"), ("rsrounds", 2, "serial")],
+    "rounds-rounds": [("rsrounds", 2, None), ("rsrounds", 2, None)],
+    "rsgather-rounds-rsgather": [("rsgather", 2, None), ("rsrounds", 2, None),
+                                 ("rsgather", 2, None)],
+    "rounds-oneshot": [("rsrounds", 2, None), ("oneshot", 2, None)],
+    "push-rounds": [("twoshot", 1, "push"), ("rsrounds", 2, None)],
 }
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}ranks{s[1]}ctas")
 @pytest.mark.parametrize("name", RSROUNDS_SEQUENCES)
 def test_copy_out_by_rounds_reads_only_its_own_call(name, shape):
-    """Every q row copied out during the call was pushed by its peer in this call, and no peer's
-    next call lands on a row still to be copied."""
+    """Every q row copied out after a round's barrier was pushed by its peer in this call, and no
+    peer's next call lands on a row still to be copied."""
     calls = _scaled(RSROUNDS_SEQUENCES[name], shape[1])
     assert _bad_reads(shape, calls, halves=True, final_barrier=False) == set()
 
 
-@pytest.mark.parametrize("form", ["serial+no-arrived", "serial+early-arrived", "serial+same-tag"])
-def test_copy_out_by_rounds_model_can_fail(form):
-    """Without the wait, with the count put before the round's q rows, or with counts that do not
-    grow from call to call, a rank copies out q rows its peer has not pushed yet."""
-    calls = [("rsrounds", 4, form), ("rsrounds", 4, form)]
+def test_copy_out_by_rounds_model_can_fail():
+    """With each round's copy before its barrier a rank copies out q rows not yet pushed."""
+    calls = [("rsrounds", 4, "early-copy"), ("rsrounds", 4, "early-copy")]
     assert _bad_reads((2, 2), calls, halves=True, final_barrier=False) != set()

@@ -96,9 +96,11 @@ def test_algorithm_form_tuning(monkeypatch):
             assert auto.form(algo, threshold, world) == forms[1] == auto.form(algo, 1 << 40)
     assert SIZED_FORMS["reducescatter"][0][1][0] == 32 << 20
     assert SIZED_FORMS["rowgather"][0][1][0] == 8 << 20
-    # the epilogue-gathering reduce-scatter: its own ladder (serial at every size), the
-    # reduce-scatter's knob when forced
-    for world in (2, 4, 8):
+    # the epilogue-gathering reduce-scatter: its own ladder (2 ranks: pipelined from 64 MiB;
+    # 4 and 8: serial at every size), the reduce-scatter's knob when forced
+    assert auto.form("rsgather", (64 << 20) - 1, 2) == "serial"
+    assert auto.form("rsgather", 64 << 20, 2) == "pipelined"
+    for world in (4, 8):
         assert auto.form("rsgather", 0, world) == auto.form("rsgather", 1 << 40, world) == "serial"
     assert Tuning(reducescatter_form="pipelined").form("rsgather", 0) == "pipelined"
     # packed FP4 has its own ladder by world size (the kernel key picks it), 1-byte codes serial
@@ -107,7 +109,8 @@ def test_algorithm_form_tuning(monkeypatch):
     for quant, world, want in (("nvfp4", 2, ["serial", "pipelined", "pipelined", "pipelined"]),
                                ("nvfp4", 4, ["serial", "serial", "serial", "pipelined"]),
                                ("nvfp4", 8, ["serial", "serial", "serial", "pipelined"]),
-                               ("fp8", 4, ["serial"] * 4)):
+                               ("fp8", 4, ["serial"] * 4),
+                               ("fp8", 2, ["serial", "pipelined", "pipelined", "pipelined"])):
         spec = make_quant_spec(quant)
         keys = [allreduce_kernel_key("rsgather", world, torch.bfloat16, 8192, spec, True, False,
                                      False, False, auto, n) for n in sizes]

@@ -12,10 +12,6 @@ Signal pad (per rank, ``Workspace.signal_bytes``, u32 words), regions of ``REGIO
                                    call words (CALL_W_* below)
     region 5  REGION_REDUCESCATTER the sequence-parallel reduce-scatter's cross-rank CTA barrier
     region 6  REGION_ROWGATHER     the row gather's cross-rank CTA barrier (kernels/rowgather.py)
-    then      RS_ARRIVED_WORD      arrived[MAX_WORLD][MAX_CTAS] words: arrived[s][b] is written by
-                                   rank s's CTA b of the gathering reduce-scatter as each round of
-                                   its q rows has landed here (NOTE [copy-out by rounds] in
-                                   kernels/reducescatter.py)
 
 A barrier region holds ``epochs[MAX_CTAS]`` then 64-bit ``flags[MAX_CTAS][MAX_WORLD][FLAG_SLOTS]``,
 each flag (epoch, call signature) in slot ``epoch % FLAG_SLOTS`` (kernels/sync.py: a peer one
@@ -74,7 +70,7 @@ __all__ = [
     "REGION_TWOSHOT", "REGION_LAMPORT", "REGION_DEVICE_ERROR", "REGION_REDUCESCATTER",
     "REGION_ROWGATHER",
     "region_word", "DEVICE_ERROR_WORD",
-    "MIN_SIGNAL_BYTES", "RS_ARRIVED_WORD", "RS_ARRIVED_WORDS", "ERROR_NONE", "ERROR_TIMEOUT", "ERROR_MISMATCH", "ERROR_NAMES",
+    "MIN_SIGNAL_BYTES", "ERROR_NONE", "ERROR_TIMEOUT", "ERROR_MISMATCH", "ERROR_NAMES",
     "ERROR_WORDS", "ERR_CODE", "ERR_PEER", "ERR_EPOCH", "ERR_VALUE", "FLAG_WORDS", "FLAG_SLOTS",
     "DESCRIPTOR_WORDS",
     "CALL_W_LAST", "CALL_W_LAMPORT_HDR", "CALL_W_HOST_BARRIER", "HOST_BARRIER_FIRST_CALL",
@@ -110,9 +106,7 @@ CALL_W_LAST = DEVICE_ERROR_WORD + 4          # 16-byte aligned
 CALL_W_LAMPORT_HDR = CALL_W_LAST + DESCRIPTOR_WORDS
 CALL_W_HOST_BARRIER = CALL_W_LAMPORT_HDR + LAMPORT_AREAS * MAX_WORLD * DESCRIPTOR_WORDS
 HOST_BARRIER_FIRST_CALL, HOST_BARRIER_RESET_A, HOST_BARRIER_RESET_B = 0, 1, 2
-RS_ARRIVED_WORD = region_word(REGION_ROWGATHER + 1)  # after the last region (6)
-RS_ARRIVED_WORDS = MAX_WORLD * MAX_CTAS
-MIN_SIGNAL_BYTES = (RS_ARRIVED_WORD + RS_ARRIVED_WORDS) * 4  # every region and arrived[][] fit
+MIN_SIGNAL_BYTES = region_word(REGION_ROWGATHER + 1) * 4  # every region (the last: 6) fits
 
 # pinned error words
 ERROR_NONE = 0

@@ -208,7 +208,8 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
 # World 8: NOT measured, world 4's rule.
 #
 # The reduce-scatter that gathers q in its epilogue ("rsgather", NOTE [gather in the epilogue]) has
-# its own ladder, "serial" at every size, for 1-byte codes: there the pipelined rounds only added
+# its own ladder, for 1-byte codes "serial" at every size until the copy-out by rounds (below):
+# there the pipelined rounds only added
 # waits (2 x H200, gathered FP8: 2048 x 8192 85.5 us serial vs 90.9 pipelined, 2048 x 4096 46.5 vs
 # 53.4, 16384 x 8192 649.3 vs 655.7). Packed FP4 took the reduce-scatter's ladder, whose pipelined
 # rounds overlapped its heavier epilogue (gathered NVFP4 8192 x 8192 348.3 serial vs 333.1 pipelined,
@@ -219,11 +220,16 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
 # (8192 x 4096 162.1 vs 168.1, 16384 x 8192 608.5 vs 635.1); at 4 ranks (seqpar_merged_h200_x4.md) serial is faster up to 128
 # MiB (2048 x 8192 122.8 vs 137.0, 8192 x 4096 216.2 vs 233.4, 16384 x 4096 420.4 vs 429.5; 8192 x
 # 8192 433.7 vs 429.6) and pipelined from 256 MiB (16384 x 8192 826.3 vs 836.7); 8 ranks: 4's.
-# sized_ladder picks the ladder.
+# Since the pipelined form copies each round out after its barrier (NOTE [copy-out by rounds] in
+# kernels/reducescatter.py; benchmarks/results/copy_rounds_ab_h200_x2.md, 2 x H200), 1-byte codes
+# at 2 ranks go pipelined from 64 MiB too (gathered FP8 8192 x 4096 158.7 vs 159.0 serial: a tie;
+# 8192 x 8192 303.8 vs 313.5, 16384 x 4096 303.0 vs 313.7, 16384 x 8192 602.0 vs 622.3) and stay
+# serial below (2048 x 8192 83.0 vs 87.1, 2048 x 4096 46.0 vs 51.8); 4 and 8 ranks: serial (not
+# re-measured with the new copy). sized_ladder picks the ladder.
 _TWOSHOT_WORLD4 = ((0, "push-wide"), (16 << 20, "pull"), (32 << 20, "push"),
                    (64 << 20, "push-rounds"))
 SIZED_FORMS = {"reducescatter": {0: ((0, "serial"), (32 << 20, "pipelined"))},
-               "rsgather": {0: ((0, "serial"),)},
+               "rsgather": {2: ((0, "serial"), (64 << 20, "pipelined")), 4: ((0, "serial"),)},
                "rsgather_fp4": {2: ((0, "serial"), (64 << 20, "pipelined")),
                                 4: ((0, "serial"), (256 << 20, "pipelined"))},
                "rowgather": {0: ((0, "unit"), (8 << 20, "batched"))},

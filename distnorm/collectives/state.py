@@ -14,8 +14,8 @@ from distnorm.collectives.layout import (CALL_W_HOST_BARRIER, CALL_W_LAMPORT_HDR
                                          HOST_BARRIER_FIRST_CALL, HOST_BARRIER_RESET_A,
                                          HOST_BARRIER_RESET_B, LAMPORT_AREAS, LAMPORT_SENTINEL_I32,
                                          LAMPORT_STATE_WORDS, MAX_WORLD, REGION_LAMPORT,
-                                         REGION_WORDS, RS_ARRIVED_WORD, RS_ARRIVED_WORDS,
-                                         check_signal_pad, lamport_split, push_half, region_word)
+                                         REGION_WORDS, check_signal_pad, lamport_split,
+                                         push_half, region_word)
 from distnorm.collectives.plan import ALGORITHMS, Tuning
 from distnorm.formats import QuantSpec
 
@@ -126,8 +126,7 @@ class AllReduceState:
 
     def reset(self, ws) -> None:
         """After a CommError: clear the error words; barrier A (every rank has stopped and entered
-        reset); zero the barrier regions, the reduce-scatter's arrival counts and the first-call host
-        barrier, refill the lamport
+        reset); zero the barrier regions and the first-call host barrier, refill the lamport
         areas; barrier B (nobody launches before everybody is clean). Collective: every rank, while
         no kernel of `ws` runs anywhere; each barrier waits at most Tuning.host_timeout_s."""
         ws.reset_error()
@@ -139,8 +138,6 @@ class AllReduceState:
         w0 = CALL_W_HOST_BARRIER + HOST_BARRIER_FIRST_CALL * MAX_WORLD
         with torch.cuda.device(ws.device):
             ws.peer_signal(ws.rank)[w0:w0 + MAX_WORLD].zero_()
-            # the gathering reduce-scatter's arrival counts follow the barrier epochs zeroed above
-            ws.peer_signal(ws.rank)[RS_ARRIVED_WORD:RS_ARRIVED_WORD + RS_ARRIVED_WORDS].zero_()
         self.first_call_barriers = 0
         self.fill_lamport(ws)
         host_barrier(ws, HOST_BARRIER_RESET_B, self.resets, timeout)

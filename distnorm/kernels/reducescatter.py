@@ -39,25 +39,17 @@ out afterwards: NOTE [gathered scales] in collectives/seqpar.py); other scales a
 gathered after the kernel. Same bytes as the row gather: bitwise. The copies' loads go before
 their stores (NOTE [batched copies]).
 
-NOTE [copy-out by rounds]: copying the other shards' q rows out after the final barrier left the
-link idle for that copy (phase clock, 8192 x 8192 FP8 on 2 x H200: 23 us of a 312 us launch; 67 MB
-of local HBM traffic). So it moves into the call: the pipelined form copies round r's rows right
-after the barrier that follows round r (that barrier orders every peer's q pushes of the round
-before it). The serial form has no barrier between its rounds; its epilogue is cut into up to
-COPY_ROUNDS rounds (TwoShot._rounds, the same groups on every rank's CTA b), and after round r CTA
-b's thread 0 (bar.sync first, so the release covers every thread's q pushes: cta_barrier's
-pattern) sets arrived[rank][b] = tag + r + 1 in every peer's signal pad (st.release.sys; layout
-RS_ARRIVED_WORD), and after round r + 1 waits (ld.acquire.sys, then a bar.sync) for every peer's
-arrived[s][b] to reach tag + r + 1 before copying round r out; the last round is copied after the
-final barrier, as before. tag = COPY_ROUNDS x the epoch of the first barrier, which every rank's CTA
-b passed together, so the counts agree across ranks and only grow from call to call (by at least
-COPY_ROUNDS: a call has two barriers or more): a count left by an earlier call never satisfies a
-later wait. Each arrived[s][b] has one writer, rank s's CTA b, and it writes it only after its
-first barrier of the call, which needs my CTA b to have entered this call, and a next call's q
-rows reach me only after that call's first barrier, which needs my CTA b to have left this one:
-no copy meets another call's rows. A failed CTA sets nothing (NOTE [a failed rank arrives
-nowhere]); a wait on it ends at the device error word or the barrier timeout, copies nothing and
-fails the call. Reset zeroes the counts with the epochs. The same bytes: bitwise as before.
+NOTE [copy-out by rounds]: the pipelined form copies round r's gathered rows out right after the
+barrier that follows round r (it orders every peer's q pushes of the round before it), while the
+peers' later rounds still cross the link; only the last round's rows wait for the final barrier.
+Measured on 2 x H200 (benchmarks/results/copy_rounds_ab_h200_x2.md, against the copy after the
+final barrier): gathered FP8 pipelined 8192 x 8192 316.5 -> 303.8 us, 16384 x 8192 625.7 -> 602.0,
+NVFP4 1.2-1.6% faster at every size. The serial form has no barrier between rounds; giving it
+per-CTA arrival counts (peer s's CTA b sets arrived[s][b] in my signal pad with st.release.sys after
+each round's q rows, I copy round r - 1 out after round r) made it slower at every size (2048 x
+4096 FP8 46.0 -> 57.4 us, 8192 x 8192 313.5 -> 316.9): each release after a round's remote stores
+stalls the CTA until they complete. Not kept; the sized forms' ladder (collectives/plan.py) sends
+large gathered calls to the pipelined form instead.
 """
 from __future__ import annotations
 
@@ -66,12 +58,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 # absolute imports: the 4.3.5 DSL preprocessor needs them
-from distnorm.collectives.layout import DEVICE_ERROR_WORD, MAX_CTAS, RS_ARRIVED_WORD
-from distnorm.kernels.sync import (barrier_or, ld_relaxed_sys_u32, ld_volatile_sys_u32,
-                                  ld_volatile_sys_v4_u32, st_release_sys_u32,
-                                  st_volatile_sys_v4_u32, st_volatile_u32, wait_count)
+from distnorm.kernels.sync import (ld_volatile_sys_u32, ld_volatile_sys_v4_u32,
+                                  st_volatile_sys_v4_u32, st_volatile_u32)
 
-__all__ = ["ReduceScatter", "RS_ROUNDS", "RS_ALGOS", "COPY_BATCH", "COPY_ROUNDS"]
+__all__ = ["ReduceScatter", "RS_ROUNDS", "RS_ALGOS", "COPY_BATCH"]
 
 # the sequence-parallel reduce-scatter, and the same with q gathered in its epilogue
 RS_ALGOS = ("reducescatter", "rsgather")
@@ -85,10 +75,6 @@ RS_ROUNDS = 4
 # waits for its load, and in-order issue would otherwise pay one load latency per unit. The
 # copy-out batches the rows of COPY_BATCH shards (registers: 4 per 16-byte unit in flight).
 COPY_BATCH = 4
-
-# NOTE [copy-out by rounds]: the serial form's epilogue is cut into this many rounds, each round's
-# gathered rows copied out after the next round (arrival counts: tag + 1 .. tag + COPY_ROUNDS)
-COPY_ROUNDS = 4
 
 
 def _unit_store(addr: Int64, val: tuple) -> None:
@@ -137,63 +123,21 @@ class ReduceScatter:
             q_base = mQ.iterator.toint()
         if const_expr(self.gather_scales):
             s_base = mS.iterator.toint()
-        # this CTA's row groups from copy_from on are copied out after the final barrier (NOTE
-        # [gather in the epilogue]); the rounds before it, during the call (NOTE [copy-out by rounds])
-        rounds, step, end = self._rounds(bidx, nblk, push_groups, self.rs_rounds)
-        copy_from = bidx
-        if const_expr(self.gather_q):
-            copy_from = bidx + (rounds - 1) * step
+        copy_from = bidx  # this CTA's row groups from here on are copied out after the final barrier
         if const_expr(self.rs_rounds == 1):
             self._push_slices(mX, mBuf, rank, slice_rows, push_groups, bidx, nblk, row_in_cta,
                               lane, rT, dtype, may_push)
             failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
 
             base = mBuf[rank]
-            if const_expr(self.gather_q):
-                # NOTE [copy-out by rounds]
-                rounds, step, _ = self._rounds(bidx, nblk, groups, COPY_ROUNDS)
-                copy_from = bidx + (rounds - 1) * step
-                tag = Int32(0)  # thread 0's: this call's arrival counts are tag + 1, tag + 2, ...
-                if tidx == 0:
-                    # the epoch of the barrier just passed: the same on every rank's CTA bidx,
-                    # and each call's first barrier is two epochs past the last call's
-                    epoch = ld_relaxed_sys_u32(own_pad + (Int64(self.region_word) + Int64(bidx))
-                                               * Int64(4))
-                    tag = epoch * Int32(COPY_ROUNDS)
-                for r in range(rounds):
-                    g0 = bidx + r * step
-                    end = g0 + step
-                    if end > groups:
-                        end = groups
-                    for g in range(g0, self._unless_failed(failed, end), nblk):
-                        self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank,
-                                          row_in_cta, lane, eps, mX, mR, mRout, mAR, mW, mY, mQ,
-                                          mS, rH, rR, rT, static_inv, global_scale, bufs, rW,
-                                          dtype, mBuf, q_base, s_base)
-                    cute.arch.barrier()  # every thread's q pushes of round r are done
-                    if tidx == 0:
-                        if failed == Int32(0):  # NOTE [a failed rank arrives nowhere]
-                            for peer in cutlass.range_constexpr(self.world):
-                                if Int32(peer) != rank:
-                                    st_release_sys_u32(mSig[peer] + self._arrived_byte(rank, bidx),
-                                                       tag + r + Int32(1))
-                    if r >= Int32(1):  # round r - 1's rows, while the peers finish round r
-                        prev_end = g0
-                        if prev_end > groups:
-                            prev_end = groups
-                        failed = self._copy_out_round(mBuf, mErr, q_base, s_base, m, slice_rows,
-                                                      rank, bidx, nblk, g0 - step, prev_end,
-                                                      tag + r, failed, timeout, own_pad,
-                                                      row_in_cta, lane)
-            else:
-                for g in range(bidx, self._unless_failed(failed, groups), nblk):
-                    self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank,
-                                      row_in_cta, lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS,
-                                      rH, rR, rT, static_inv, global_scale, bufs, rW, dtype, mBuf,
-                                      q_base, s_base)
+            for g in range(bidx, self._unless_failed(failed, groups), nblk):
+                self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank, row_in_cta,
+                                  lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT,
+                                  static_inv, global_scale, bufs, rW, dtype, mBuf, q_base, s_base)
         else:
             # NOTE [reduce-scatter rounds]
             # one round's span of g is `step`
+            rounds, step, end = self._rounds(bidx, nblk, push_groups, self.rs_rounds)
             self._push_slices(mX, mBuf, rank, slice_rows, end, bidx, nblk, row_in_cta, lane, rT,
                               dtype, may_push)
             failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
@@ -222,41 +166,13 @@ class ReduceScatter:
                         self._copy_out_q(mBuf, q_base, s_base, m, slice_rows, rank,
                                          self._unless_failed(failed, end), g0, nblk, row_in_cta,
                                          lane)
+            copy_from = bidx + (rounds - 1) * step  # the last round's rows: after the barrier
         # nobody may overwrite a slot (next call) that a peer still reads
         done = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
-        if const_expr(self.gather_q):  # NOTE [gather in the epilogue]: the last round's rows
+        if const_expr(self.gather_q):  # NOTE [gather in the epilogue]
             self._copy_out_q(mBuf, q_base, s_base, m, slice_rows, rank,
                              self._unless_failed(done | failed, groups), copy_from, nblk,
                              row_in_cta, lane)
-
-    def _arrived_byte(self, s: Int32, b: Int32) -> Int64:
-        """Byte offset in a signal pad of arrived[s][b] (NOTE [copy-out by rounds])."""
-        return (Int64(RS_ARRIVED_WORD) + Int64(s) * Int64(MAX_CTAS) + Int64(b)) * Int64(4)
-
-    @cute.jit
-    def _copy_out_round(self, mBuf, mErr, q_base: Int64, s_base: Int64, m: Int32,
-                        slice_rows: Int32, rank: Int32, bidx: Int32, nblk: Int32, g0: Int32,
-                        end: Int32, want: Int32, failed: Int32, timeout: Int64, own_pad: Int64,
-                        row_in_cta: Int32, lane: Int32) -> Int32:
-        """NOTE [copy-out by rounds]: once every peer's CTA bidx has said (arrived[s][bidx] >=
-        want, thread 0 waits) that its q rows of groups g0, g0 + nblk, ... < end have landed
-        here, copy them out. Returns `failed`, or 1 on every thread when a wait gave up (then
-        nothing is copied, and the caller writes nothing more to its peers)."""
-        tidx, _, _ = cute.arch.thread_idx()
-        bad = failed
-        if tidx == 0:
-            if failed == Int32(0):
-                err_addr = mErr.iterator.toint()
-                dev_err_addr = own_pad + Int64(DEVICE_ERROR_WORD * 4)
-                for peer in cutlass.range_constexpr(self.world):
-                    if Int32(peer) != rank:
-                        bad = bad | wait_count(own_pad + self._arrived_byte(Int32(peer), bidx),
-                                               want, timeout, err_addr, dev_err_addr, Int32(peer),
-                                               want)
-        bad = barrier_or(bad)  # thread 0's acquire before every thread's loads: a bar.sync
-        self._copy_out_q(mBuf, q_base, s_base, m, slice_rows, rank, self._unless_failed(bad, end),
-                         g0, nblk, row_in_cta, lane)
-        return bad
 
     @cute.jit
     def _shard_group(self, g: Int32, local: Int32, rows: Int32, base: Int64, slot_elems: Int64,

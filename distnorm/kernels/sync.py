@@ -47,8 +47,7 @@ __all__ = [
     "st_relaxed_sys_u32", "st_volatile_u32", "atomic_cas_sys_u32", "atomic_add_gpu_u32",
     "atom_add_acq_rel_gpu_u32", "fence_acq_rel_sys", "globaltimer_ns", "ld_volatile_sys_v4_u32",
     "st_volatile_sys_v4_u32", "ld_acquire_sys_u32x2", "st_release_sys_u32x2", "cta_barrier",
-    "record_timeout", "record_mismatch", "gave_up", "must_stop", "barrier_or", "wait_count",
-    "SPIN_CHECK_MASK",
+    "record_timeout", "record_mismatch", "gave_up", "must_stop", "barrier_or", "SPIN_CHECK_MASK",
 ]
 
 SPIN_CHECK_MASK = 255  # spinning threads look at %globaltimer and the device error word every 256 polls
@@ -205,30 +204,6 @@ def gave_up(spins: Int32, t0: Int64, timeout: Int64, err_addr: Int64, dev_err_ad
     if (spins & Int32(SPIN_CHECK_MASK)) == Int32(0):
         stop = must_stop(t0, timeout, err_addr, dev_err_addr, peer, epoch)
     return stop
-
-
-@cute.jit
-def wait_count(addr: Int64, want: Int32, timeout: Int64, err_addr: Int64, dev_err_addr: Int64,
-               peer: Int32, epoch: Int32) -> Int32:
-    """One thread waits (ld.acquire.sys) until the u32 count at `addr` in this rank's own signal
-    pad, raised by `peer` with st.release.sys, has reached `want` ((int32)(count - want) >= 0: it
-    survives wrap-around): 0, or 1 when it gave up (gave_up: the device error word is set, or
-    `timeout` ns passed, then recorded as a timeout on `peer` at `epoch`). A failed peer raises
-    nothing (NOTE [a failed rank arrives nowhere]), so a wait on it ends in the timeout."""
-    failed = Int32(0)
-    if (ld_acquire_sys_u32(addr) - want) < Int32(0):
-        spins = Int32(0)
-        t0 = globaltimer_ns()
-        waiting = Int32(1)
-        while waiting != Int32(0):
-            if (ld_acquire_sys_u32(addr) - want) >= Int32(0):
-                waiting = Int32(0)
-            else:
-                spins = spins + Int32(1)
-                if gave_up(spins, t0, timeout, err_addr, dev_err_addr, peer, epoch) != Int32(0):
-                    waiting = Int32(0)
-                    failed = Int32(1)
-    return failed
 
 
 @cute.jit

@@ -208,8 +208,8 @@ def _body_reducescatter_forms_agree() -> None:
             shards = [outputs(last[form]) for form in REDUCESCATTER_FORMS]
             assert all(p is None and q is None or torch.equal(p, q)
                        for p, q in zip(*shards)), "back to back: the forms' outputs differ"
-            # after a reset (barrier epochs and the copy-out's arrival counts zeroed: NOTE
-            # [copy-out by rounds]) gathered rows of new inputs are the all-reduce's again
+            # after a reset (barrier epochs zeroed) gathered rows of new inputs are the
+            # all-reduce's again
             reset(ws)
             qname, M, max_ctas = RS_CASES[1]
             kw, _ = quant_kwargs(qname)

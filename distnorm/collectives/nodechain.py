@@ -1,6 +1,6 @@
 """The path without peer memory for a group spread over nodes: node-local row slices, a chain of
 running float32 sums between nodes, the epilogue on the last node. Opt-in
-(`Workspace(..., ranks_per_node=G)`), not measured yet: see NOTE [node chain].
+(`Workspace(..., ranks_per_node=G)`): see NOTE [node chain].
 
 NOTE [node chain]
 The ops' sum is the float32 fold x_0 + x_1 + ... + x_{N-1} in rank order (bitwise the peer
@@ -20,8 +20,10 @@ two nodes of G GPUs: 4/G sent as running sums + 3/G of outputs received, against
 1.5 received by the flat row split (rowsplit.py: every rank sends x slices to and receives outputs
 from the N - G ranks of the other node) -- about 3x less at G = 8. The price: the nodes work in
 sequence (one hop per node of latency, not pipelined across chunks here) and node-local traffic
-(NCCL over NVLink) is as in the flat split. Whether that wins depends on the inter-node link; it
-has not been measured (no multi-node machine so far), hence opt-in.
+(NCCL over NVLink) is as in the flat split. Whether that wins depends on the inter-node link. On
+one host as two 2-GPU "nodes" (4 x H100, benchmarks/results/fallback_h100_x4.md) it was 3.7-9.7x
+slower than the flat split (the hops in sequence, every collective NCCL's); no multi-node machine
+has been lent, hence opt-in.
 """
 from __future__ import annotations
 

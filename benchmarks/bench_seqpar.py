@@ -10,7 +10,9 @@ gathered for the next GEMM, side by side in one run with the unfused chain and a
                         (Tuning.reducescatter_form; NOTE [reduce-scatter rounds]); _batched: the
                         row gather in its "batched" form (Tuning.rowgather_form; NOTE [row gather
                         batches]); _both: both; _r1: one row per CTA in the reduce-scatter
-                        (Tuning.rows_per_cta; choose_tiling's gives two at H <= 4096)
+                        (Tuning.rows_per_cta; choose_tiling's gives two at H <= 4096); _c<N>
+                        (with `--rs-ctas N ...`): the reduce-scatter's grid capped at N CTAs
+                        (Tuning.max_ctas)
     dn_rs_<fmt>         the same without the gather (the shard's outputs only); dn_rs_<fmt>_pipe in
                         the "pipelined" form
     unfused_fp8         NCCL reduce_scatter + add + RMSNorm + static FP8 in torch + NCCL all_gather
@@ -113,7 +115,8 @@ def tuned(ws, call, **fields):
         state.tuning = kept
 
 
-def cases(x, res, w, ws, nccl: bool, symm, compiled_tail, formats=FORMATS) -> dict:
+def cases(x, res, w, ws, nccl: bool, symm, compiled_tail, formats=FORMATS,
+          rs_ctas: tuple = ()) -> dict:
     """name -> callable of one call (module docstring)."""
     M, H = x.shape
     world = dist.get_world_size()
@@ -139,6 +142,11 @@ def cases(x, res, w, ws, nccl: bool, symm, compiled_tail, formats=FORMATS) -> di
         c[f"dn_rs_{fmt}_gather_r1"] = lambda kw=kw, rows=one_row: tuned(ws, lambda: (
             distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws, gather=True,
                                                 **kw)), rows_per_cta=rows)
+        for cap in rs_ctas:
+            caps = {**state_of(ws).tuning.max_ctas, "reducescatter": cap}
+            c[f"dn_rs_{fmt}_gather_c{cap}"] = lambda kw=kw, caps=caps: tuned(ws, lambda: (
+                distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws,
+                                                    gather=True, **kw)), max_ctas=caps)
         c[f"dn_rs_{fmt}"] = lambda kw=kw: distnorm.reduce_scatter_add_rmsnorm(
             x, res_shard, w, EPS, workspace=ws, **kw)
         c[f"dn_rs_{fmt}_pipe"] = lambda kw=kw: tuned(ws, lambda: (
@@ -183,6 +191,8 @@ def main(argv=None) -> list:
                     choices=["fp8", "fp8pt", "nvfp4"], help="fp8pt: per-token FP8")
     ap.add_argument("--cases", default="", help="regex: time only the cases whose name matches "
                     "(the bitwise check still runs)")
+    ap.add_argument("--rs-ctas", type=int, nargs="*", default=[],
+                    help="add dn_rs_<fmt>_gather_c<N>: the reduce-scatter's grid capped at N CTAs")
     args = ap.parse_args(argv)
     case_re = re.compile(args.cases) if args.cases else None
     init_distributed()
@@ -223,7 +233,7 @@ def main(argv=None) -> list:
             row = {"M": M, "H": H, "rs_kernel": on_gpu and one_launch,
                    "outputs_match": outputs_match(x, res, w, ws, args.formats)}
             for name, fn in cases(x, res, w, ws, on_gpu, symm, compiled_tail,
-                                  args.formats).items():
+                                  args.formats, tuple(args.rs_ctas)).items():
                 if case_re is not None and not case_re.search(name):
                     continue
                 dist.barrier()

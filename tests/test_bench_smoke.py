@@ -26,6 +26,9 @@ def _seqpar_smoke() -> None:
                                 "fp8pt", "--cases", "^dn_rs_fp8pt_gather$"])
     assert picked[0]["outputs_match"], picked
     assert [k for k in picked[0] if k.startswith("dn_")] == ["dn_rs_fp8pt_gather"], picked
+    capped = bench_seqpar.main(["--smoke", "--tokens", "2", "--hidden", "256", "--formats", "fp8",
+                                "--rs-ctas", "4", "--cases", "_c4$"])
+    assert [k for k in capped[0] if k.startswith("dn_")] == ["dn_rs_fp8_gather_c4"], capped
 
 
 def test_seqpar_benchmark_cases_run():

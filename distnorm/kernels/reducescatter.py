@@ -47,9 +47,10 @@ final barrier): gathered FP8 pipelined 8192 x 8192 316.5 -> 303.8 us, 16384 x 81
 NVFP4 1.2-1.6% faster at every size. The serial form has no barrier between rounds; giving it
 per-CTA arrival counts (peer s's CTA b sets arrived[s][b] in my signal pad with st.release.sys after
 each round's q rows, I copy round r - 1 out after round r) made it slower at every size (2048 x
-4096 FP8 46.0 -> 57.4 us, 8192 x 8192 313.5 -> 316.9): each release after a round's remote stores
-stalls the CTA until they complete. Not kept; the sized forms' ladder (collectives/plan.py) sends
-large gathered calls to the pipelined form instead.
+4096 FP8 46.0 -> 57.4 us, 8192 x 8192 313.5 -> 316.9), most likely because each release after a
+round's remote stores holds the CTA until they are acknowledged (a few us per round, not timed
+apart). Not kept; the sized forms' ladder (collectives/plan.py) sends large gathered calls to the
+pipelined form instead.
 """
 from __future__ import annotations
 

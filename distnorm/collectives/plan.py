@@ -209,9 +209,8 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
 #
 # The reduce-scatter that gathers q in its epilogue ("rsgather", NOTE [gather in the epilogue]) has
 # its own ladder, for 1-byte codes "serial" at every size until the copy-out by rounds (below):
-# there the pipelined rounds only added
-# waits (2 x H200, gathered FP8: 2048 x 8192 85.5 us serial vs 90.9 pipelined, 2048 x 4096 46.5 vs
-# 53.4, 16384 x 8192 649.3 vs 655.7). Packed FP4 took the reduce-scatter's ladder, whose pipelined
+# there the pipelined rounds only added waits (2 x H200, gathered FP8: 2048 x 8192 85.5 us serial
+# vs 90.9 pipelined, 2048 x 4096 46.5 vs 53.4, 16384 x 8192 649.3 vs 655.7). Packed FP4 took the reduce-scatter's ladder, whose pipelined
 # rounds overlapped its heavier epilogue (gathered NVFP4 8192 x 8192 348.3 serial vs 333.1 pipelined,
 # 16384 x 8192 675.6 vs 646.0; 2048 x 4096 62.3 vs 66.4; benchmarks/results/seqpar_h200_x2.md,
 # 2026-11-27, sixth session, and seqpar_rsgather_h200_x2.md). Since the scales go with q, packed

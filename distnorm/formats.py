@@ -165,6 +165,7 @@ def kernel_spec(spec: Optional[QuantSpec]) -> QuantSpec:
 
 
 def spec_code(spec: Optional[QuantSpec]) -> str:
+    """`spec` as the string the torch.library ops take (QuantSpec.from_code reads it back)."""
     return kernel_spec(spec).code
 
 
@@ -244,16 +245,19 @@ def check_hidden(spec: Optional[QuantSpec], H: int) -> None:
 
 
 def round_up(n: int, m: int) -> int:
+    """n rounded up to a multiple of m."""
     return (n + m - 1) // m * m
 
 
 # ---- output geometry (shared by the reference and the op's allocator) ----
 
 def q_shape(spec: QuantSpec, M: int, H: int) -> Tuple[int, int]:
+    """Shape of q for M x H inputs: [M, H] of 1-byte codes, [M, H / 2] for packed FP4."""
     return (M, H // 2) if spec.packed_fp4 else (M, H)
 
 
 def q_dtype(spec: QuantSpec) -> torch.dtype:
+    """Dtype of q: float8_e4m3fn, or uint8 holding two packed FP4 codes per byte."""
     return torch.uint8 if spec.packed_fp4 else torch.float8_e4m3fn
 
 

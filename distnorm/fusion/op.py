@@ -41,6 +41,8 @@ def fused_allreduce_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: T
                                 quant: str, scale: Optional[Tensor], norm_out: bool,
                                 allreduce_out: bool, workspace: int, algo: str
                                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """allreduce_add_rmsnorm as a functional op: shapes and empty outputs in the module docstring;
+    workspace: the id the fusion pass registered its Workspace under."""
     spec = QuantSpec.from_code(quant)
     out = allreduce_add_rmsnorm(x, residual, weight, eps, workspace=_workspace(workspace),
                                 quant=spec, scale=scale, norm_out=norm_out,

@@ -356,10 +356,11 @@ def test_epilogue_gather_model_can_fail():
     calls = [("rsgather", 1, "early"), ("rsgather", 2, "early")]
     assert any(_bad_reads(shape, calls, halves=True, final_barrier=False) for shape in SHAPES)
 
-# NOTE [copy-out by rounds]: the pipelined form's rounds (two per CTA: 2 ranks x 2 CTAs, 4 rows;
-# 3 ranks x 1 CTA, 2 rows), back to back and beside the other algorithms
+# NOTE [copy-out by rounds]: the pipelined form's rounds (two or three per CTA: 2 ranks x 2 CTAs,
+# 3 ranks x 1 CTA), back to back and beside the other algorithms
 RSROUNDS_SEQUENCES = {
     "rounds-rounds": [("rsrounds", 2, None), ("rsrounds", 2, None)],
+    "rounds3-rounds": [("rsrounds", 3, None), ("rsrounds", 2, None)],
     "rsgather-rounds-rsgather": [("rsgather", 2, None), ("rsrounds", 2, None),
                                  ("rsgather", 2, None)],
     "rounds-oneshot": [("rsrounds", 2, None), ("oneshot", 2, None)],

@@ -123,35 +123,31 @@ def cases(x, res, w, ws, nccl: bool, symm, compiled_tail, formats=FORMATS,
     a, b = distnorm.shard_rows(M, ws)
     res_shard = res[a:b].clone()
     c = {}
+
+    def rs(kw, gather, **fields):
+        """One reduce-scatter call of format kwargs kw, with Tuning `fields` set when given."""
+        def call():
+            return distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws,
+                                                       gather=gather, **kw)
+        return (lambda: tuned(ws, call, **fields)) if fields else call
+
     for fmt in formats:
         kw = format_kwargs(fmt, x.device)
-        c[f"dn_rs_{fmt}_gather"] = lambda kw=kw: distnorm.reduce_scatter_add_rmsnorm(
-            x, res_shard, w, EPS, workspace=ws, gather=True, **kw)
-        c[f"dn_rs_{fmt}_gather_nccl"] = lambda kw=kw: tuned(ws, lambda: (
-            distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws, gather=True,
-                                                **kw)), gather_by="nccl")
+        c[f"dn_rs_{fmt}_gather"] = rs(kw, True)
+        c[f"dn_rs_{fmt}_gather_nccl"] = rs(kw, True, gather_by="nccl")
         for tag, (rs_form, rg_form) in (("serial", ("serial", "unit")),
                                         ("pipe", ("pipelined", "unit")),
                                         ("batched", ("serial", "batched")),
                                         ("both", ("pipelined", "batched"))):
-            forms = {"reducescatter_form": rs_form, "rowgather_form": rg_form}
-            c[f"dn_rs_{fmt}_gather_{tag}"] = lambda kw=kw, forms=forms: tuned(ws, lambda: (
-                distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws,
-                                                    gather=True, **kw)), **forms)
-        one_row = {**state_of(ws).tuning.rows_per_cta, "reducescatter": 1}
-        c[f"dn_rs_{fmt}_gather_r1"] = lambda kw=kw, rows=one_row: tuned(ws, lambda: (
-            distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws, gather=True,
-                                                **kw)), rows_per_cta=rows)
+            c[f"dn_rs_{fmt}_gather_{tag}"] = rs(kw, True, reducescatter_form=rs_form,
+                                                rowgather_form=rg_form)
+        c[f"dn_rs_{fmt}_gather_r1"] = rs(
+            kw, True, rows_per_cta={**state_of(ws).tuning.rows_per_cta, "reducescatter": 1})
         for cap in rs_ctas:
-            caps = {**state_of(ws).tuning.max_ctas, "reducescatter": cap}
-            c[f"dn_rs_{fmt}_gather_c{cap}"] = lambda kw=kw, caps=caps: tuned(ws, lambda: (
-                distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws,
-                                                    gather=True, **kw)), max_ctas=caps)
-        c[f"dn_rs_{fmt}"] = lambda kw=kw: distnorm.reduce_scatter_add_rmsnorm(
-            x, res_shard, w, EPS, workspace=ws, **kw)
-        c[f"dn_rs_{fmt}_pipe"] = lambda kw=kw: tuned(ws, lambda: (
-            distnorm.reduce_scatter_add_rmsnorm(x, res_shard, w, EPS, workspace=ws, **kw)),
-            reducescatter_form="pipelined")
+            c[f"dn_rs_{fmt}_gather_c{cap}"] = rs(
+                kw, True, max_ctas={**state_of(ws).tuning.max_ctas, "reducescatter": cap})
+        c[f"dn_rs_{fmt}"] = rs(kw, False)
+        c[f"dn_rs_{fmt}_pipe"] = rs(kw, False, reducescatter_form="pipelined")
     fp8 = format_kwargs("fp8", x.device)
     c["dn_ar_fp8"] = lambda: distnorm.allreduce_add_rmsnorm(x, res, w, EPS, workspace=ws, **fp8)
     summed = torch.empty_like(x)

@@ -227,9 +227,10 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
 # re-measured with the new copy). sized_ladder picks the ladder.
 _TWOSHOT_WORLD4 = ((0, "push-wide"), (16 << 20, "pull"), (32 << 20, "push"),
                    (64 << 20, "push-rounds"))
+_RSGATHER_WORLD2 = ((0, "serial"), (64 << 20, "pipelined"))  # 1-byte codes and packed FP4 alike
 SIZED_FORMS = {"reducescatter": {0: ((0, "serial"), (32 << 20, "pipelined"))},
-               "rsgather": {2: ((0, "serial"), (64 << 20, "pipelined")), 4: ((0, "serial"),)},
-               "rsgather_fp4": {2: ((0, "serial"), (64 << 20, "pipelined")),
+               "rsgather": {2: _RSGATHER_WORLD2, 4: ((0, "serial"),)},
+               "rsgather_fp4": {2: _RSGATHER_WORLD2,
                                 4: ((0, "serial"), (256 << 20, "pipelined"))},
                "rowgather": {0: ((0, "unit"), (8 << 20, "batched"))},
                "twoshot": {2: ((0, "push"), (64 << 20, "push-rounds")),

@@ -76,10 +76,11 @@ ALLREDUCE = [
     ("reducescatter", 4, "bfloat16", 7168, "nvfp4s", True, False, True, False, True, 0,
      "pipelined"),
     # NOTE [gather in the epilogue]: q pushed from the epilogue (a row of whole lanes' units, a
-    # ragged one, packed fp4; both forms; gathered block scales leave it linear: seqpar._run)
+    # ragged one, packed fp4; every form; gathered block scales leave it linear: seqpar._run)
     ("rsgather", 2, "bfloat16", 8192, "fp8", True, False, False, False, True, 0),
     ("rsgather", 2, "bfloat16", 2880, "pt", True, False, True, False, True, 0),
     ("rsgather", 4, "bfloat16", 7168, "nvfp4l", True, False, True, False, True, 0, "pipelined"),
+    ("rsgather", 2, "bfloat16", 8192, "nvfp4l", True, False, False, False, True, 0, "pipelined-8"),
     ("rsgather", 8, "float16", 4096, "pg128", False, True, False, False, True, 0),
 ]
 

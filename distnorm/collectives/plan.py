@@ -169,9 +169,10 @@ TWOSHOT_FORMS = ("push", "pull-gather", "pull", "push-wide", "pull-wide", "push-
 LAMPORT_FORMS = ("poll-all", "poll-unseen")
 # How the sequence-parallel reduce-scatter overlaps its epilogue with its pushes (NOTE [reduce-scatter
 # rounds] in kernels/reducescatter.py): "serial" (push everything, one barrier, then the epilogue) or
-# "pipelined" (rounds of pushes and barriers, the epilogue of one round while the next crosses the
-# link). Tuning's default "auto" picks by size (SIZED_FORMS).
-REDUCESCATTER_FORMS = ("serial", "pipelined")
+# "pipelined" (up to 4 rounds of pushes and barriers per CTA, the epilogue of one round while the
+# next crosses the link) or "pipelined-8" (up to 8 rounds). Tuning's default "auto" picks by size
+# (SIZED_FORMS).
+REDUCESCATTER_FORMS = ("serial", "pipelined", "pipelined-8")
 # How the row gather (kernels/rowgather.py) keeps bytes in flight (NOTE [row gather batches]):
 # "unit" (one 16-byte unit per thread at a time) or "batched" (several loads first, then their
 # stores). Tuning's default "auto" picks by size (SIZED_FORMS).
@@ -223,15 +224,28 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
 # kernels/reducescatter.py; benchmarks/results/copy_rounds_ab_h200_x2.md, 2 x H200), 1-byte codes
 # at 2 ranks go pipelined from 64 MiB too (gathered FP8 8192 x 4096 158.7 vs 159.0 serial: a tie;
 # 8192 x 8192 303.8 vs 313.5, 16384 x 4096 303.0 vs 313.7, 16384 x 8192 602.0 vs 622.3) and stay
-# serial below (2048 x 8192 83.0 vs 87.1, 2048 x 4096 46.0 vs 51.8); 4 and 8 ranks: serial (not
-# re-measured with the new copy). sized_ladder picks the ladder.
+# serial below (2048 x 8192 83.0 vs 87.1, 2048 x 4096 46.0 vs 51.8). Re-measured with it at 4 ranks
+# (benchmarks/results/seqpar_table_h200_x4.md, rs_rounds8_ab_h200_x4.md, 2026-11-28): pipelined is
+# faster from 128 MiB for 1-byte codes (8192 x 8192 463.7 vs 476.4 us, 16384 x 4096 464.3 vs 482.8,
+# 16384 x 8192 899.8 vs 938.5; 8192 x 4096 a tie, 249.2 vs 250.2) and for packed FP4 (8192 x 8192
+# 420.9 vs 433.7; 16384 x 4096 a tie, 421.3 vs 420.2), serial below (NVFP4 8192 x 4096 215.7 vs
+# 230.3), except packed FP4 at 8 MiB (512 x 8192: 45.8 pipelined vs 47.4 serial, and 45.7 vs 46.3
+# in seqpar_merged_h200_x4.md; 16 MiB is serial's again, 2048 x 4096 68.3 vs 78.0); so both go
+# pipelined from 128 MiB at 4 ranks, packed FP4 at 8 MiB too (8 ranks: 4's). "pipelined-8" (8 rounds,
+# rs_rounds8_ab_h200_x2.md, 2 ranks against 4 rounds): packed FP4 3.1-4.7 % faster from 64 MiB
+# (8192 x 4096 158.5 -> 153.5, 8192 x 8192 302.8 -> 290.9, 16384 x 8192 598.3 -> 570.0), 1-byte
+# codes 0.8-2.3 % faster from 128 MiB (8192 x 8192 303.5 -> 300.9, 16384 x 8192 601.5 -> 587.5) and
+# 2.5 % slower at 64 MiB (8192 x 4096 158.0 -> 161.9); at 4 ranks slower everywhere (1.8-11 %).
+# sized_ladder picks the ladder.
 _TWOSHOT_WORLD4 = ((0, "push-wide"), (16 << 20, "pull"), (32 << 20, "push"),
                    (64 << 20, "push-rounds"))
-_RSGATHER_WORLD2 = ((0, "serial"), (64 << 20, "pipelined"))  # 1-byte codes and packed FP4 alike
 SIZED_FORMS = {"reducescatter": {0: ((0, "serial"), (32 << 20, "pipelined"))},
-               "rsgather": {2: _RSGATHER_WORLD2, 4: ((0, "serial"),)},
-               "rsgather_fp4": {2: _RSGATHER_WORLD2,
-                                4: ((0, "serial"), (256 << 20, "pipelined"))},
+               "rsgather": {2: ((0, "serial"), (64 << 20, "pipelined"),
+                                (128 << 20, "pipelined-8")),
+                            4: ((0, "serial"), (128 << 20, "pipelined"))},
+               "rsgather_fp4": {2: ((0, "serial"), (64 << 20, "pipelined-8")),
+                                4: ((0, "serial"), (8 << 20, "pipelined"), (16 << 20, "serial"),
+                                    (128 << 20, "pipelined"))},
                "rowgather": {0: ((0, "unit"), (8 << 20, "batched"))},
                "twoshot": {2: ((0, "push"), (64 << 20, "push-rounds")),
                            4: _TWOSHOT_WORLD4, 8: _TWOSHOT_WORLD4}}

@@ -60,7 +60,7 @@ from distnorm.kernels.lamport import LamportOneShot
 from distnorm.kernels.compat import SmemAllocator
 from distnorm.kernels.norm_quant import NormQuantCore
 from distnorm.kernels.tiling import RowTiling
-from distnorm.kernels.reducescatter import RS_ALGOS, RS_ROUNDS, ReduceScatter
+from distnorm.kernels.reducescatter import RS_ALGOS, RS_FORM_ROUNDS, ReduceScatter
 from distnorm.kernels.twoshot import TS_ROUNDS, TwoShot, slice_batch
 from distnorm.kernels.sync import cta_barrier, ld_volatile_sys_u32, st_volatile_sys_v4_u32
 
@@ -114,7 +114,7 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
         self.ts_rounds = TS_ROUNDS if algo == "twoshot" and form.endswith("-rounds") else 1
         self.poll_unseen = algo == "lamport" and form == "poll-unseen"
         # NOTE [reduce-scatter rounds]
-        self.rs_rounds = RS_ROUNDS if algo in RS_ALGOS and form == "pipelined" else 1
+        self.rs_rounds = RS_FORM_ROUNDS[form] if algo in RS_ALGOS else 1
         # NOTE [gather in the epilogue]: q's bytes per row, pushed to every peer as it is written
         self.gather_q = algo == "rsgather"
         self.s_row_bytes = 0  # and the scales' with them where their rows are whole 16-byte units

@@ -12,9 +12,13 @@ NOTE [reduce-scatter rounds]: in the "serial" form (the default) a CTA pushes al
 meets its peers once, then reduces and finishes its rows: the link idles while the epilogue
 runs (by byte count about 600 MB of local HBM traffic against 134 MB pushed at 16384 x 8192 on
 2 ranks: ~140 us of the 530 measured, benchmarks/results/seqpar_h200_x2.md). The "pipelined" form cuts
-a CTA's row groups into up to RS_ROUNDS rounds with a barrier after each round's push, and pushes
+a CTA's row groups into rounds with a barrier after each round's push, and pushes
 round r + 1 before it finishes round r, so the epilogue runs while the next rows cross the
-link. Every rank's same-index CTA has the same groups (push_groups, grid and index agree: the
+link. The rounds per CTA are the form's (RS_FORM_ROUNDS): "pipelined" up to 4, "pipelined-8" up to
+8 (2 x H200: gathered NVFP4 3.1-4.7 % faster than 4 rounds from 8192 rows, FP8 0.8-2.3 % from 128
+MiB but 2.5 % slower at 8192 x 4096; 4 x H200: 1.8-11 % slower than 4 rounds; benchmarks/results/
+rs_rounds8_ab_h200_x{2,4}.md; likely, not timed apart: at 4 ranks a round's barrier waits on three
+peers and costs more than the round hides). Every rank's same-index CTA has the same groups (push_groups, grid and index agree: the
 signature says so), hence the same rounds and barriers. A round only reads slot rows its peers
 pushed before that round's barrier, and the rows of round r + 1 are others, so no read meets a
 write; the final barrier keeps the next call's pushes off rows still read, as before. The same
@@ -62,14 +66,14 @@ from cutlass import Float32, Int32, Int64, const_expr
 from distnorm.kernels.sync import (ld_volatile_sys_u32, ld_volatile_sys_v4_u32,
                                   st_volatile_sys_v4_u32, st_volatile_u32)
 
-__all__ = ["ReduceScatter", "RS_ROUNDS", "RS_ALGOS", "COPY_BATCH"]
+__all__ = ["ReduceScatter", "RS_FORM_ROUNDS", "RS_ALGOS", "COPY_BATCH"]
 
 # the sequence-parallel reduce-scatter, and the same with q gathered in its epilogue
 RS_ALGOS = ("reducescatter", "rsgather")
 
-# NOTE [reduce-scatter rounds]: the most rounds a CTA's row groups are cut into ("pipelined" form);
-# each round costs one more cross-rank barrier (a few us of NVLink latency per CTA)
-RS_ROUNDS = 4
+# NOTE [reduce-scatter rounds]: the most rounds a CTA's row groups are cut into, per form ("serial":
+# one); each round costs one more cross-rank barrier (a few us of NVLink latency per CTA)
+RS_FORM_ROUNDS = {"serial": 1, "pipelined": 4, "pipelined-8": 8}
 
 # NOTE [batched copies]: the epilogue gather's copies (q and scale rows to the peers, then the
 # other shards' rows out of my q area) issue all of a batch's loads before its stores: a store

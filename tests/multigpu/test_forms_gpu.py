@@ -1,7 +1,7 @@
 """The algorithms' forms (distnorm.collectives.plan.ALGORITHM_FORMS: two-shot "push", "pull-gather",
 "pull", NOTE [two-shot forms] in distnorm/kernels/twoshot.py; lamport "poll-all", "poll-unseen",
 NOTE [lamport polls] in distnorm/kernels/lamport.py; the sequence-parallel reduce-scatter "serial",
-"pipelined", NOTE [reduce-scatter rounds]): each meets the reference on every element and every
+"pipelined", "pipelined-8", NOTE [reduce-scatter rounds]): each meets the reference on every element and every
 form of an algorithm gives the same bytes (same float32 operations, other traffic).
 Back-to-back calls that mix the forms with the other algorithms, never synchronized in between,
 check the barriers and areas that keep a peer's reads apart from the next call's writes.
@@ -160,10 +160,10 @@ def _body_reducescatter_forms_agree() -> None:
         default = state.tuning
 
         def run(form, qname, M, max_ctas, gather, x, res, w, kw):
-            # the pipelined form's rows are gathered in the row gather's batched form
+            # the pipelined forms' rows are gathered in the row gather's batched form
             state.tuning = dataclasses.replace(
                 default, reducescatter_form=form,
-                rowgather_form=ROWGATHER_FORMS[REDUCESCATTER_FORMS.index(form)],
+                rowgather_form=ROWGATHER_FORMS[min(REDUCESCATTER_FORMS.index(form), 1)],
                 max_ctas={"reducescatter": max_ctas} if max_ctas else {})
             a, b = distnorm.shard_rows(M, ws)
             _poison_free_memory()
@@ -197,17 +197,19 @@ def _body_reducescatter_forms_agree() -> None:
             kw, _ = quant_kwargs(qname)
             x, res, w = make_inputs(M, H, ws.rank, 99, world=ws.world_size)
             last = {}
-            for i in range(40):
-                form = REDUCESCATTER_FORMS[i % len(REDUCESCATTER_FORMS)]
-                # the forms' last calls (i = 38, 39) gather alike: their outputs compare
-                last[form] = run(form, qname, M, max_ctas, (i // 2) % 3 == 0, x, res, w, kw)
+            nforms = len(REDUCESCATTER_FORMS)
+            for i in range(14 * nforms):
+                form = REDUCESCATTER_FORMS[i % nforms]
+                # the forms' last calls (one per form) gather alike: their outputs compare
+                last[form] = run(form, qname, M, max_ctas, (i // nforms) % 3 == 0, x, res, w, kw)
                 if i % 5 == 4:
                     distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, **kw)
             torch.cuda.synchronize()
             ws.raise_if_failed()
-            shards = [outputs(last[form]) for form in REDUCESCATTER_FORMS]
+            first, *others = [outputs(last[form]) for form in REDUCESCATTER_FORMS]
             assert all(p is None and q is None or torch.equal(p, q)
-                       for p, q in zip(*shards)), "back to back: the forms' outputs differ"
+                       for shard in others for p, q in zip(shard, first)), \
+                "back to back: the forms' outputs differ"
             # after a reset (barrier epochs zeroed) gathered rows of new inputs are the
             # all-reduce's again
             reset(ws)

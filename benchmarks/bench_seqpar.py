@@ -7,8 +7,8 @@ gathered for the next GEMM, side by side in one run with the unfused chain and a
                         [sized forms] in collectives/plan.py); _serial: the first forms forced
     dn_rs_<fmt>_gather_nccl  the same, gathered by NCCL all_gather (Tuning.gather_by = "nccl")
     dn_rs_<fmt>_gather_pipe  the same, the reduce-scatter in its "pipelined" form
-                        (Tuning.reducescatter_form; NOTE [reduce-scatter rounds]); _pipe8: its
-                        "pipelined-8" form (up to 8 rounds per CTA); _batched: the
+                        (Tuning.reducescatter_form; NOTE [reduce-scatter rounds]); _pipe8 / _pipe16:
+                        its "pipelined-8" / "pipelined-16" forms (up to 8 / 16 rounds per CTA); _batched: the
                         row gather in its "batched" form (Tuning.rowgather_form; NOTE [row gather
                         batches]); _both: both; _r1: one row per CTA in the reduce-scatter
                         (Tuning.rows_per_cta; choose_tiling's gives two at H <= 4096); _c<N>
@@ -141,6 +141,7 @@ def cases(x, res, w, ws, nccl: bool, symm, compiled_tail, formats=FORMATS,
         for tag, (rs_form, rg_form) in (("serial", ("serial", "unit")),
                                         ("pipe", ("pipelined", "unit")),
                                         ("pipe8", ("pipelined-8", "unit")),
+                                        ("pipe16", ("pipelined-16", "unit")),
                                         ("batched", ("serial", "batched")),
                                         ("both", ("pipelined", "batched"))):
             c[f"dn_rs_{fmt}_gather_{tag}"] = rs(kw, True, reducescatter_form=rs_form,

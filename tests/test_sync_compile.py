@@ -111,7 +111,7 @@ def test_algorithm_form_tuning(monkeypatch):
     # every form has its rounds in the kernel (NOTE [reduce-scatter rounds])
     from distnorm.kernels.reducescatter import RS_FORM_ROUNDS
     assert tuple(RS_FORM_ROUNDS) == REDUCESCATTER_FORMS
-    assert [RS_FORM_ROUNDS[f] for f in REDUCESCATTER_FORMS] == [1, 4, 8]
+    assert [RS_FORM_ROUNDS[f] for f in REDUCESCATTER_FORMS] == [1, 4, 8, 16]
     # packed FP4 has its own ladder by world size (the kernel key picks it)
     from distnorm.formats import make_quant_spec
     sizes = (8 << 20, 32 << 20, 64 << 20, 128 << 20, 256 << 20)
@@ -203,7 +203,7 @@ def test_gathered_forms_are_the_fastest_of_the_latest_table(table):
         for fmt, quant in (("fp8", "fp8"), ("nvfp4", "nvfp4")):
             us = {form: row[f"dn_rs_{fmt}_gather_{tag}"]
                   for form, tag in (("serial", "serial"), ("pipelined", "pipe"),
-                                    ("pipelined-8", "pipe8"))
+                                    ("pipelined-8", "pipe8"), ("pipelined-16", "pipe16"))
                   if row.get(f"dn_rs_{fmt}_gather_{tag}") is not None}
             form = allreduce_kernel_key("rsgather", run["meta"]["world"], torch.bfloat16, row["H"],
                                         make_quant_spec(quant), True, False, False, False, auto,

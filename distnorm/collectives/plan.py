@@ -170,9 +170,9 @@ LAMPORT_FORMS = ("poll-all", "poll-unseen")
 # How the sequence-parallel reduce-scatter overlaps its epilogue with its pushes (NOTE [reduce-scatter
 # rounds] in kernels/reducescatter.py): "serial" (push everything, one barrier, then the epilogue) or
 # "pipelined" (up to 4 rounds of pushes and barriers per CTA, the epilogue of one round while the
-# next crosses the link) or "pipelined-8" (up to 8 rounds). Tuning's default "auto" picks by size
-# (SIZED_FORMS).
-REDUCESCATTER_FORMS = ("serial", "pipelined", "pipelined-8")
+# next crosses the link), "pipelined-8" or "pipelined-16" (up to 8 or 16 rounds; 16: to be
+# measured). Tuning's default "auto" picks by size (SIZED_FORMS).
+REDUCESCATTER_FORMS = ("serial", "pipelined", "pipelined-8", "pipelined-16")
 # How the row gather (kernels/rowgather.py) keeps bytes in flight (NOTE [row gather batches]):
 # "unit" (one 16-byte unit per thread at a time) or "batched" (several loads first, then their
 # stores). Tuning's default "auto" picks by size (SIZED_FORMS).

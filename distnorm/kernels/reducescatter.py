@@ -73,7 +73,7 @@ RS_ALGOS = ("reducescatter", "rsgather")
 
 # NOTE [reduce-scatter rounds]: the most rounds a CTA's row groups are cut into, per form ("serial":
 # one); each round costs one more cross-rank barrier (a few us of NVLink latency per CTA)
-RS_FORM_ROUNDS = {"serial": 1, "pipelined": 4, "pipelined-8": 8}
+RS_FORM_ROUNDS = {"serial": 1, "pipelined": 4, "pipelined-8": 8, "pipelined-16": 16}
 
 # NOTE [batched copies]: the epilogue gather's copies (q and scale rows to the peers, then the
 # other shards' rows out of my q area) issue all of a batch's loads before its stores: a store

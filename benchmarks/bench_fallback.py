@@ -4,6 +4,7 @@
     nopeer        distnorm without peer memory (Workspace(backend="none")), the form it picks
                   (collectives/nopeer.py, NOTE [no-peer forms])
     gather        that path, forced to all_gather x + the slots kernel (DISTNORM_NOPEER_FORM)
+    gather-inplace  the same with x copied into its slot and the all_gather in place
     split         that path, forced to all_to_all + slots kernel + one packed all_gather
     split-h       that path, forced to all_to_all + slots kernel (h only) + all_gather of h + the
                   single-GPU op on every row
@@ -50,8 +51,8 @@ from distnorm.collectives.dispatch import gathered_sum  # noqa: E402
 from distnorm.launch import init_distributed  # noqa: E402
 
 SHAPES = [(M, H) for H in (4096, 8192) for M in (1, 16, 128, 512, 2048, 8192, 16384)]
-PATHS = ("peer", "nopeer", "gather", "split", "split-h", "rowsplit-torch", "allgather",
-         "nccl+fused")
+PATHS = ("peer", "nopeer", "gather", "gather-inplace", "split", "split-h", "rowsplit-torch",
+         "allgather", "nccl+fused")
 PARTS = ("nccl-ar", "nccl-ag", "nccl-ag-inplace", "nccl-a2a", "fused", "fold")
 
 
@@ -92,6 +93,7 @@ def _callables(x, res, w, peer, nccl, chain):
         "peer": lambda: distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=peer, **kw),
         "nopeer": nopeer("auto"),
         "gather": nopeer("gather"),
+        "gather-inplace": nopeer("gather-inplace"),
         "split": nopeer("split"),
         "split-h": nopeer("split-h"),
         "rowsplit-torch": lambda: allreduce_by_slices(

@@ -52,7 +52,7 @@ def _fallback_smoke() -> None:
         outs = {name: fn() for name, fn in bench_fallback._callables(x, res, w, peer, nccl,
                                                                      None).items()}
     assert set(outs) == set(bench_fallback.PATHS + bench_fallback.PARTS)
-    for name in ("peer", "nopeer", "gather", "split", "split-h", "allgather"):
+    for name in ("peer", "nopeer", "gather", "gather-inplace", "split", "split-h", "allgather"):
         if name != "allgather":  # it runs the kernel on h: no residual output
             assert torch.equal(outs[name].residual, outs["split"].residual), name
         assert torch.equal(outs[name].q.view(torch.uint8), outs["split"].q.view(torch.uint8)), name

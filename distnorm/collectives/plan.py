@@ -294,7 +294,7 @@ TUNING_FORMS = {algo: ((AUTO_FORM,) + forms if algo in SIZED_FORMS else forms)
 GATHER_BY = ("epilogue", "peers", "nccl")
 # DISTNORM_NOPEER_FORM (collectives/nopeer.py, NOTE [no-peer forms]): "auto" (by byte count, the
 # default) or a forced form
-NOPEER_FORMS = ("auto", "gather", "split", "split-h")
+NOPEER_FORMS = ("auto", "gather", "split", "split-h", "gather-inplace")
 
 
 @dataclass(frozen=True)

@@ -86,9 +86,9 @@ def _body() -> None:
                 got = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=nccl,
                                                      norm_out=True, allreduce_out=True, **kw)
                 # without allreduce_out: collectives/nopeer.py
-                for form in ("gather", "split", "split-h"):
+                for form in ("gather", "split", "split-h", "gather-inplace"):
                     os.environ["DISTNORM_NOPEER_FORM"] = form
-                    in_place = form != "gather"
+                    in_place = not form.startswith("gather")
                     outs = _poisoned_outputs(quant, opts, M, H, in_place=in_place)
                     if in_place:
                         outs["residual_out"].copy_(res)  # vLLM's form: h written over residual

@@ -32,8 +32,8 @@ measured). With a residual split never wins: it receives x and the outputs (h am
 split-h receives x and h, with the same two collectives; it was the slowest form at 128 rows at 4
 ranks, where the constants before this fit (1 MiB per collective, split counted as one) took it.
 No multi-node machine yet: over a slower network the bytes weigh more and the crossovers move
-down. DISTNORM_NOPEER_FORM=gather|split|split-h|gather-inplace forces a form (benchmarks, tests; split-h
-without a residual runs split).
+down. DISTNORM_NOPEER_FORM=gather|split|split-h|gather-inplace forces a form (benchmarks, tests;
+split-h without a residual runs split).
 
 Both are chunked so that the receive buffer stays within the workspace's buffer size, and
 NOTE [overlapped chunks]: chunk k + 1's collective (all_gather, or all_to_all) is issued before
@@ -208,10 +208,11 @@ def _gather_form(x, residual, weight, eps, spec, scale, global_scale, gemma, res
 
     def start(a, b, async_op):
         parts = torch.empty(world * (b - a), H, dtype=x.dtype, device=x.device)  # gloo: 2-D
-        mine = x[a:b].contiguous()
         if in_place:  # the copy runs on the current stream, which NCCL's waits for
             mine = parts[rank * (b - a):(rank + 1) * (b - a)]
             mine.copy_(x[a:b])
+        else:
+            mine = x[a:b].contiguous()
         return parts, dist.all_gather_into_tensor(parts, mine, group=group, async_op=async_op)
 
     def finish(a, b, parts):

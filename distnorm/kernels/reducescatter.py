@@ -18,8 +18,9 @@ link. The rounds per CTA are the form's (RS_FORM_ROUNDS): "pipelined" up to 4, "
 8 (2 x H200: gathered NVFP4 3.1-4.7 % faster than 4 rounds from 8192 rows, FP8 0.8-2.3 % from 128
 MiB but 2.5 % slower at 8192 x 4096; 4 x H200: 1.8-11 % slower than 4 rounds; benchmarks/results/
 rs_rounds8_ab_h200_x{2,4}.md; likely, not timed apart: at 4 ranks a round's barrier waits on three
-peers and costs more than the round hides). Every rank's same-index CTA has the same groups (push_groups, grid and index agree: the
-signature says so), hence the same rounds and barriers. A round only reads slot rows its peers
+peers and costs more than the round hides), "pipelined-16" up to 16 (not yet measured). Every
+rank's same-index CTA has the same groups (push_groups, grid and index agree: the signature says
+so), hence the same rounds and barriers. A round only reads slot rows its peers
 pushed before that round's barrier, and the rows of round r + 1 are others, so no read meets a
 write; the final barrier keeps the next call's pushes off rows still read, as before. The same
 float32 operations per row, so the same bits as "serial".

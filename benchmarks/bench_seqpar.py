@@ -59,6 +59,9 @@ from distnorm.launch import init_distributed  # noqa: E402
 
 EPS = 1e-6
 FORMATS = ("fp8", "nvfp4")  # timed by default; --formats also takes fp8pt (per-token FP8)
+# the reduce-scatter's forms (plan.REDUCESCATTER_FORMS) -> their column tag, dn_rs_<fmt>_gather_<tag>
+RS_FORM_TAGS = {"serial": "serial", "pipelined": "pipe", "pipelined-8": "pipe8",
+                "pipelined-16": "pipe16"}
 
 
 def format_kwargs(fmt: str, device) -> dict:
@@ -138,12 +141,9 @@ def cases(x, res, w, ws, nccl: bool, symm, compiled_tail, formats=FORMATS,
         kw = format_kwargs(fmt, x.device)
         c[f"dn_rs_{fmt}_gather"] = rs(kw, True)
         c[f"dn_rs_{fmt}_gather_nccl"] = rs(kw, True, gather_by="nccl")
-        for tag, (rs_form, rg_form) in (("serial", ("serial", "unit")),
-                                        ("pipe", ("pipelined", "unit")),
-                                        ("pipe8", ("pipelined-8", "unit")),
-                                        ("pipe16", ("pipelined-16", "unit")),
-                                        ("batched", ("serial", "batched")),
-                                        ("both", ("pipelined", "batched"))):
+        forced = [(tag, (rs_form, "unit")) for rs_form, tag in RS_FORM_TAGS.items()]
+        for tag, (rs_form, rg_form) in forced + [("batched", ("serial", "batched")),
+                                                 ("both", ("pipelined", "batched"))]:
             c[f"dn_rs_{fmt}_gather_{tag}"] = rs(kw, True, reducescatter_form=rs_form,
                                                 rowgather_form=rg_form)
         c[f"dn_rs_{fmt}_gather_r1"] = rs(

@@ -1,8 +1,8 @@
 """The algorithms' forms (distnorm.collectives.plan.ALGORITHM_FORMS: two-shot "push", "pull-gather",
 "pull", NOTE [two-shot forms] in distnorm/kernels/twoshot.py; lamport "poll-all", "poll-unseen",
 NOTE [lamport polls] in distnorm/kernels/lamport.py; the sequence-parallel reduce-scatter "serial",
-"pipelined", "pipelined-8", NOTE [reduce-scatter rounds]): each meets the reference on every element and every
-form of an algorithm gives the same bytes (same float32 operations, other traffic).
+"pipelined", "pipelined-8", "pipelined-16", NOTE [reduce-scatter rounds]): each meets the reference
+on every element and every form of an algorithm gives the same bytes (same float32 operations, other traffic).
 Back-to-back calls that mix the forms with the other algorithms, never synchronized in between,
 check the barriers and areas that keep a peer's reads apart from the next call's writes.
 
@@ -134,12 +134,12 @@ def _poison_free_memory() -> None:
 
 
 def _body_reducescatter_forms_agree() -> None:
-    """Both reduce-scatter forms (NOTE [reduce-scatter rounds]) on RS_CASES, gathered and not (the
-    pipelined form's rows by the row gather's batched form, NOTE [row gather batches]):
+    """Every reduce-scatter form (NOTE [reduce-scatter rounds]) on RS_CASES, gathered and not (the
+    pipelined forms' rows by the row gather's batched form, NOTE [row gather batches]):
     the shard's residual, y, q and scales and the gathered rows bitwise those of the "serial" form
-    and of allreduce_add_rmsnorm's rows; then the two forms back to back (with the all-reduce
-    between them), never synchronized, bitwise the same again; after a reset both forms' gathered
-    q and y of new inputs are the all-reduce's."""
+    and of allreduce_add_rmsnorm's rows; then the forms back to back (with the all-reduce between
+    them), never synchronized, bitwise the same again; after a reset every form's gathered q and y
+    of new inputs are the all-reduce's."""
     import dataclasses
 
     import distnorm

@@ -4,7 +4,6 @@
     nopeer        distnorm without peer memory (Workspace(backend="none")), the form it picks
                   (collectives/nopeer.py, NOTE [no-peer forms])
     gather        that path, forced to all_gather x + the slots kernel (DISTNORM_NOPEER_FORM)
-    gather-inplace  the same with x copied into its slot and the all_gather in place
     split         that path, forced to all_to_all + slots kernel + one packed all_gather
     split-h       that path, forced to all_to_all + slots kernel (h only) + all_gather of h + the
                   single-GPU op on every row
@@ -21,8 +20,8 @@
     nccl-ar       NCCL all_reduce of x (in place)      nccl-ag   all_gather_into_tensor of x
     nccl-a2a      all_to_all_single of x                fused     distnorm.add_rmsnorm on one GPU
     nccl-ag-inplace  all_gather_into_tensor with the send buffer the output's own slot (NCCL skips
-                  the local copy: whether the gather form's all_gather is slower than the
-                  all-reduce at 2 ranks, 99.6 vs 79.2 us at 2048 x 4096, for that copy)
+                  its local copy; 2 x H200 at 2048 x 4096: 94.5 us against 100.1 out of place,
+                  both above the all-reduce's 78.9: fallback_inplace_h200_x2.md)
     fold          the slots kernel on [N, M, H] parts (what the gather form runs after its all_gather)
 
     torchrun --nproc-per-node 2 benchmarks/bench_fallback.py --out benchmarks/results/fallback_h200_x2
@@ -51,7 +50,7 @@ from distnorm.collectives.dispatch import gathered_sum  # noqa: E402
 from distnorm.launch import init_distributed  # noqa: E402
 
 SHAPES = [(M, H) for H in (4096, 8192) for M in (1, 16, 128, 512, 2048, 8192, 16384)]
-PATHS = ("peer", "nopeer", "gather", "gather-inplace", "split", "split-h", "rowsplit-torch",
+PATHS = ("peer", "nopeer", "gather", "split", "split-h", "rowsplit-torch",
          "allgather", "nccl+fused")
 PARTS = ("nccl-ar", "nccl-ag", "nccl-ag-inplace", "nccl-a2a", "fused", "fold")
 
@@ -93,7 +92,6 @@ def _callables(x, res, w, peer, nccl, chain):
         "peer": lambda: distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=peer, **kw),
         "nopeer": nopeer("auto"),
         "gather": nopeer("gather"),
-        "gather-inplace": nopeer("gather-inplace"),
         "split": nopeer("split"),
         "split-h": nopeer("split-h"),
         "rowsplit-torch": lambda: allreduce_by_slices(

@@ -61,7 +61,7 @@ EPS = 1e-6
 FORMATS = ("fp8", "nvfp4")  # timed by default; --formats also takes fp8pt (per-token FP8)
 # the reduce-scatter's forms (plan.REDUCESCATTER_FORMS) -> their column tag, dn_rs_<fmt>_gather_<tag>
 RS_FORM_TAGS = {"serial": "serial", "pipelined": "pipe", "pipelined-8": "pipe8",
-                "pipelined-16": "pipe16"}
+                "pipelined-16": "pipe16", "pipelined-32": "pipe32"}
 
 
 def format_kwargs(fmt: str, device) -> dict:

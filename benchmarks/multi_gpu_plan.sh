@@ -100,7 +100,7 @@ case $STEP in
       tests/multigpu/test_forms_gpu.py tests/multigpu/test_rowsplit_gpu.py -q -rfs -p no:cacheprovider &&
             run seqpar_rounds torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_seqpar.py \
       --no-compile --tokens 2048 8192 16384 --hidden 4096 8192 --formats fp8 nvfp4 \
-      --cases '^(dn_rs_(fp8|nvfp4)(_gather)?(_serial|_pipe|_pipe8|_pipe16)?|dn_ar|nccl_ar|symm2)$' \
+      --cases '^(dn_rs_(fp8|nvfp4)(_gather)?(_serial|_pipe|_pipe8|_pipe16|_pipe32)?|dn_ar|nccl_ar|symm2)$' \
       --out "$OUT/seqpar_rounds_$tag" ;;
   faults-ab) wt=${AB_TREES:-}   # AB_TREES=DIR: DIR/before and DIR/after made beforehand (the device copy has no .git):
       # mkdir -p DIR/before DIR/after && git archive 06bbda4^ | tar -x -C DIR/before && git archive 06bbda4 | tar -x -C DIR/after

@@ -24,7 +24,7 @@ def test_row_split_covers_every_row_once():
 
 def _body(ranks_per_node=None, form=None) -> None:
     """form None: with allreduce_out (rowsplit.allreduce_by_slices); "gather" / "split" /
-    "split-h" / "gather-inplace": without it, the form of collectives/nopeer.py forced."""
+    "split-h": without it, the form of collectives/nopeer.py forced."""
     import os
 
     import torch.distributed as dist
@@ -83,7 +83,7 @@ def _body(ranks_per_node=None, form=None) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("form", [None, "gather", "split", "split-h", "gather-inplace"])
+@pytest.mark.parametrize("form", [None, "gather", "split", "split-h"])
 def test_every_format_bitwise_the_reference(world, form):
     """Every chunking: 4 KiB buffers make M = 130 many chunks in every form (swizzled scales in
     the gather form: 128 rows), with uneven slices (M = 5 over 2 or 3 ranks)."""

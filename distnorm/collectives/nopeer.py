@@ -6,10 +6,11 @@ kernels'.
 NOTE [no-peer forms]
 - gather: all_gather of x, then every rank folds all M rows and writes its outputs in place. One
   collective; each rank receives (N - 1) copies of x.
-- gather-inplace (forced only, to be measured): gather with x copied into its own slot of the
-  receive buffer first and the all_gather run in place, so NCCL skips its own local copy (at 2 ranks
-  NCCL's out-of-place all_gather of x took 99.6 us against the all-reduce's 79.2 at 2048 x 4096,
-  benchmarks/results/fallback_splith_h200_x2.md); the same bytes into the fold, so the same bits.
+  Tried and dropped: x copied into its own slot of the receive buffer and the all_gather run in
+  place (NCCL then skips its local copy: its all_gather alone 94.5 us against 100.1 at 2048 x 4096
+  on 2 x H200) was slower as a whole at every size, the copy costing more than it saves (112.1 us
+  against 108.0 there, 730.4 against 687.7 at 8192 x 8192; benchmarks/results/
+  fallback_inplace_h200_x2.md).
 - split: all_to_all of row slices (each rank receives its slice of every rank's x), the fold and
   epilogue of that slice into one packed buffer, then one all_gather of the packed buffers. Two
   collectives; each rank receives (N - 1) / N of x and (N - 1) / N of the outputs.
@@ -32,7 +33,7 @@ measured). With a residual split never wins: it receives x and the outputs (h am
 split-h receives x and h, with the same two collectives; it was the slowest form at 128 rows at 4
 ranks, where the constants before this fit (1 MiB per collective, split counted as one) took it.
 No multi-node machine yet: over a slower network the bytes weigh more and the crossovers move
-down. DISTNORM_NOPEER_FORM=gather|split|split-h|gather-inplace forces a form (benchmarks, tests;
+down. DISTNORM_NOPEER_FORM=gather|split|split-h forces a form (benchmarks, tests;
 split-h without a residual runs split).
 
 Both are chunked so that the receive buffer stays within the workspace's buffer size, and
@@ -81,7 +82,7 @@ def out_row_bytes(spec: Optional[QuantSpec], H: int, dtype: torch.dtype, has_res
 
 def form_for(M: int, H: int, world: int, esize: int, out_bytes: int, has_residual: bool) -> str:
     """NOTE [no-peer forms]: "gather", "split" or "split-h" for a call of M rows
-    (DISTNORM_NOPEER_FORM overrides, and is the only way to "gather-inplace")."""
+    (DISTNORM_NOPEER_FORM overrides)."""
     forced = os.environ.get("DISTNORM_NOPEER_FORM", NOPEER_FORMS[0])
     if forced == "split-h" and not has_residual:
         return "split"
@@ -197,10 +198,8 @@ def _overlap_ok(x: Tensor) -> bool:
 
 
 def _gather_form(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
-                 q_out, scales_out, group, world: int, chunk_rows: int, rank: int,
-                 in_place: bool = False) -> None:
-    """NOTE [no-peer forms], gather: per chunk, all_gather x's rows, fold them into the outputs;
-    in_place: x's rows copied into their slot first, the all_gather run in place."""
+                 q_out, scales_out, group, world: int, chunk_rows: int) -> None:
+    """NOTE [no-peer forms], gather: per chunk, all_gather x's rows, fold them into the outputs."""
     import torch.distributed as dist
     from distnorm.collectives.dispatch import _rows, _scale_rows
 
@@ -208,12 +207,8 @@ def _gather_form(x, residual, weight, eps, spec, scale, global_scale, gemma, res
 
     def start(a, b, async_op):
         parts = torch.empty(world * (b - a), H, dtype=x.dtype, device=x.device)  # gloo: 2-D
-        if in_place:  # the copy runs on the current stream, which NCCL's waits for
-            mine = parts[rank * (b - a):(rank + 1) * (b - a)]
-            mine.copy_(x[a:b])
-        else:
-            mine = x[a:b].contiguous()
-        return parts, dist.all_gather_into_tensor(parts, mine, group=group, async_op=async_op)
+        return parts, dist.all_gather_into_tensor(parts, x[a:b].contiguous(), group=group,
+                                                  async_op=async_op)
 
     def finish(a, b, parts):
         fold_epilogue(parts.view(world, b - a, H), _rows(residual, a, b), weight, eps, spec, scale,
@@ -317,11 +312,11 @@ def allreduce_no_peer(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
     if form == "split":
         _split_form(*args, rank, max(1, buffer_bytes // max(row, out_bytes)))
         return
-    gather = form in ("gather", "gather-inplace")
+    gather = form == "gather"
     chunk = max(1, buffer_bytes // (world * row if gather else row))
     if chunk < M and spec is not None and spec.block_scaled and spec.swizzled:
         chunk = max(128, chunk // 128 * 128)  # swizzled scales: chunks of whole 128-row tiles
     if gather:
-        _gather_form(*args, chunk, rank, in_place=form == "gather-inplace")
+        _gather_form(*args, chunk)
     else:
         _split_h_form(*args, rank, chunk)

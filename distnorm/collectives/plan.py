@@ -170,9 +170,9 @@ LAMPORT_FORMS = ("poll-all", "poll-unseen")
 # How the sequence-parallel reduce-scatter overlaps its epilogue with its pushes (NOTE [reduce-scatter
 # rounds] in kernels/reducescatter.py): "serial" (push everything, one barrier, then the epilogue) or
 # "pipelined" (up to 4 rounds of pushes and barriers per CTA, the epilogue of one round while the
-# next crosses the link), "pipelined-8" or "pipelined-16" (up to 8 or 16 rounds; 16: to be
-# measured). Tuning's default "auto" picks by size (SIZED_FORMS).
-REDUCESCATTER_FORMS = ("serial", "pipelined", "pipelined-8", "pipelined-16")
+# next crosses the link), "pipelined-8", "-16" or "-32" (up to 8, 16 or 32 rounds). Tuning's
+# default "auto" picks by size (SIZED_FORMS).
+REDUCESCATTER_FORMS = ("serial", "pipelined", "pipelined-8", "pipelined-16", "pipelined-32")
 # How the row gather (kernels/rowgather.py) keeps bytes in flight (NOTE [row gather batches]):
 # "unit" (one 16-byte unit per thread at a time) or "batched" (several loads first, then their
 # stores). Tuning's default "auto" picks by size (SIZED_FORMS).
@@ -236,6 +236,12 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
 # (8192 x 4096 158.5 -> 153.5, 8192 x 8192 302.8 -> 290.9, 16384 x 8192 598.3 -> 570.0), 1-byte
 # codes 0.8-2.3 % faster from 128 MiB (8192 x 8192 303.5 -> 300.9, 16384 x 8192 601.5 -> 587.5) and
 # 2.5 % slower at 64 MiB (8192 x 4096 158.0 -> 161.9); at 4 ranks slower everywhere (1.8-11 %).
+# "pipelined-16" and "-32" (2 x H200, every form forced side by side, two runs each:
+# seqpar_pipe16_h200_x2.md, seqpar_pipe32_h200_x2.md, seqpar_pipe32b_h200_x2.md): packed FP4 is
+# fastest at about two row groups per round, so 16 rounds from 128 MiB (8192 x 8192 284.2-284.9 us
+# against pipelined-8's 290.9-291.2) and 32 from 256 MiB (16384 x 8192 547.1-547.6 against 553.1-
+# 553.5); 1-byte codes at about four (pipelined-8 stays). A round of a single row group is a cliff
+# (8192 x 4096 with 16 rounds: 177.3 against 153.9; 32 rounds at 128 MiB: 346.4 against 284.2).
 # sized_ladder picks the ladder.
 _TWOSHOT_WORLD4 = ((0, "push-wide"), (16 << 20, "pull"), (32 << 20, "push"),
                    (64 << 20, "push-rounds"))
@@ -243,7 +249,8 @@ SIZED_FORMS = {"reducescatter": {0: ((0, "serial"), (32 << 20, "pipelined"))},
                "rsgather": {2: ((0, "serial"), (64 << 20, "pipelined"),
                                 (128 << 20, "pipelined-8")),
                             4: ((0, "serial"), (128 << 20, "pipelined"))},
-               "rsgather_fp4": {2: ((0, "serial"), (64 << 20, "pipelined-8")),
+               "rsgather_fp4": {2: ((0, "serial"), (64 << 20, "pipelined-8"),
+                                    (128 << 20, "pipelined-16"), (256 << 20, "pipelined-32")),
                                 4: ((0, "serial"), (8 << 20, "pipelined"), (16 << 20, "serial"),
                                     (128 << 20, "pipelined"))},
                "rowgather": {0: ((0, "unit"), (8 << 20, "batched"))},
@@ -294,7 +301,7 @@ TUNING_FORMS = {algo: ((AUTO_FORM,) + forms if algo in SIZED_FORMS else forms)
 GATHER_BY = ("epilogue", "peers", "nccl")
 # DISTNORM_NOPEER_FORM (collectives/nopeer.py, NOTE [no-peer forms]): "auto" (by byte count, the
 # default) or a forced form
-NOPEER_FORMS = ("auto", "gather", "split", "split-h", "gather-inplace")
+NOPEER_FORMS = ("auto", "gather", "split", "split-h")
 
 
 @dataclass(frozen=True)

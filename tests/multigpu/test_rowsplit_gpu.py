@@ -86,7 +86,7 @@ def _body() -> None:
                 got = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=nccl,
                                                      norm_out=True, allreduce_out=True, **kw)
                 # without allreduce_out: collectives/nopeer.py
-                for form in ("gather", "split", "split-h", "gather-inplace"):
+                for form in ("gather", "split", "split-h"):
                     os.environ["DISTNORM_NOPEER_FORM"] = form
                     in_place = not form.startswith("gather")
                     outs = _poisoned_outputs(quant, opts, M, H, in_place=in_place)

@@ -7,11 +7,12 @@ gathered for the next GEMM, side by side in one run with the unfused chain and a
                         [sized forms] in collectives/plan.py); _serial: the first forms forced
     dn_rs_<fmt>_gather_nccl  the same, gathered by NCCL all_gather (Tuning.gather_by = "nccl")
     dn_rs_<fmt>_gather_pipe  the same, the reduce-scatter in its "pipelined" form
-                        (Tuning.reducescatter_form; NOTE [reduce-scatter rounds]); _pipe8 / _pipe16:
-                        its "pipelined-8" / "pipelined-16" forms (up to 8 / 16 rounds per CTA); _batched: the
-                        row gather in its "batched" form (Tuning.rowgather_form; NOTE [row gather
+                        (Tuning.reducescatter_form; NOTE [reduce-scatter rounds]); _pipe8 / _pipe16
+                        / _pipe32 / _pipe2: its "pipelined-8" / -16 / -32 / -2 forms (up to 8 /
+                        16 / 32 / 2 rounds per CTA); _batched: the row gather in its "batched" form (Tuning.rowgather_form; NOTE [row gather
                         batches]); _both: both; _r1: one row per CTA in the reduce-scatter
-                        (Tuning.rows_per_cta; choose_tiling's gives two at H <= 4096); _c<N>
+                        (Tuning.rows_per_cta; choose_tiling's gives two at H <= 4096);
+                        _pipe_r1 / _pipe2_r1: pipelined / pipelined-2 with one row per CTA; _c<N>
                         (with `--rs-ctas N ...`): the reduce-scatter's grid capped at N CTAs
                         (Tuning.max_ctas)
     dn_rs_<fmt>         the same without the gather (the shard's outputs only); dn_rs_<fmt>_pipe in
@@ -61,7 +62,7 @@ EPS = 1e-6
 FORMATS = ("fp8", "nvfp4")  # timed by default; --formats also takes fp8pt (per-token FP8)
 # the reduce-scatter's forms (plan.REDUCESCATTER_FORMS) -> their column tag, dn_rs_<fmt>_gather_<tag>
 RS_FORM_TAGS = {"serial": "serial", "pipelined": "pipe", "pipelined-8": "pipe8",
-                "pipelined-16": "pipe16", "pipelined-32": "pipe32"}
+                "pipelined-16": "pipe16", "pipelined-32": "pipe32", "pipelined-2": "pipe2"}
 
 
 def format_kwargs(fmt: str, device) -> dict:
@@ -146,8 +147,11 @@ def cases(x, res, w, ws, nccl: bool, symm, compiled_tail, formats=FORMATS,
                                                  ("both", ("pipelined", "batched"))]:
             c[f"dn_rs_{fmt}_gather_{tag}"] = rs(kw, True, reducescatter_form=rs_form,
                                                 rowgather_form=rg_form)
-        c[f"dn_rs_{fmt}_gather_r1"] = rs(
-            kw, True, rows_per_cta={**state_of(ws).tuning.rows_per_cta, "reducescatter": 1})
+        one_row = {**state_of(ws).tuning.rows_per_cta, "reducescatter": 1}
+        c[f"dn_rs_{fmt}_gather_r1"] = rs(kw, True, rows_per_cta=one_row)
+        for rs_form in ("pipelined", "pipelined-2"):  # twice the row groups, so twice per round
+            c[f"dn_rs_{fmt}_gather_{RS_FORM_TAGS[rs_form]}_r1"] = rs(
+                kw, True, reducescatter_form=rs_form, rowgather_form="unit", rows_per_cta=one_row)
         for cap in rs_ctas:
             c[f"dn_rs_{fmt}_gather_c{cap}"] = rs(
                 kw, True, max_ctas={**state_of(ws).tuning.max_ctas, "reducescatter": cap})

@@ -26,9 +26,9 @@
 #                   from 4 GPUs also the node chain (--ranks-per-node N/2: peer kernels inside each half, NCCL between)
 #   tp-layer        bench_tp_layer.py, bf16 and --fp8: the TP decoder layer in its five forms
 #   rs-forms        the reduce-scatter's forms (NOTE [reduce-scatter rounds]: serial, pipelined,
-#                   pipelined-8, pipelined-16): the forms and row-split GPU tests, then bench_seqpar's
-#                   gathered forms and the reduce-scatter alone at 2048-16384 rows (the _serial /
-#                   _pipe / _pipe8 / _pipe16 columns, the all-reduces alone beside them)
+#                   pipelined-2 / -8 / -16 / -32): the forms and row-split GPU tests, then bench_seqpar's
+#                   gathered forms and the reduce-scatter alone at 512-16384 rows (a column per form,
+#                   and _r1 / _pipe_r1 / _pipe2_r1 with one row per CTA; the all-reduces alone beside them)
 #   faults-ab       fault handling's cost: bench_allreduce_fusion's distnorm cases from 06bbda4 (which
 #                   brought it), its parent and this tree, alternated (benchmarks/ab_trees.py)
 #   tuning          bench_allreduce_fusion's fused FP8 and plain cases with the two-shot forms
@@ -99,8 +99,8 @@ case $STEP in
   rs-forms) run rs_forms torchrun --master-port "$PORT" --nproc-per-node "$N" -m pytest \
       tests/multigpu/test_forms_gpu.py tests/multigpu/test_rowsplit_gpu.py -q -rfs -p no:cacheprovider &&
             run seqpar_rounds torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_seqpar.py \
-      --no-compile --tokens 2048 8192 16384 --hidden 4096 8192 --formats fp8 nvfp4 \
-      --cases '^(dn_rs_(fp8|nvfp4)(_gather)?(_serial|_pipe|_pipe8|_pipe16|_pipe32)?|dn_ar|nccl_ar|symm2)$' \
+      --no-compile --tokens 512 2048 8192 16384 --hidden 4096 8192 --formats fp8 nvfp4 \
+      --cases '^(dn_rs_(fp8|nvfp4)(_gather)?(_serial|_pipe|_pipe2|_pipe8|_pipe16|_pipe32|_r1|_pipe_r1|_pipe2_r1)?|dn_ar|nccl_ar|symm2)$' \
       --out "$OUT/seqpar_rounds_$tag" ;;
   faults-ab) wt=${AB_TREES:-}   # AB_TREES=DIR: DIR/before and DIR/after made beforehand (the device copy has no .git):
       # mkdir -p DIR/before DIR/after && git archive 06bbda4^ | tar -x -C DIR/before && git archive 06bbda4 | tar -x -C DIR/after

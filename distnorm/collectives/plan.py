@@ -170,9 +170,11 @@ LAMPORT_FORMS = ("poll-all", "poll-unseen")
 # How the sequence-parallel reduce-scatter overlaps its epilogue with its pushes (NOTE [reduce-scatter
 # rounds] in kernels/reducescatter.py): "serial" (push everything, one barrier, then the epilogue) or
 # "pipelined" (up to 4 rounds of pushes and barriers per CTA, the epilogue of one round while the
-# next crosses the link), "pipelined-8", "-16" or "-32" (up to 8, 16 or 32 rounds). Tuning's
-# default "auto" picks by size (SIZED_FORMS).
-REDUCESCATTER_FORMS = ("serial", "pipelined", "pipelined-8", "pipelined-16", "pipelined-32")
+# next crosses the link), "pipelined-8", "-16" or "-32" (up to 8, 16 or 32 rounds), "pipelined-2"
+# (up to 2; last, so that the earlier forms keep their descriptor codes). Tuning's default "auto"
+# picks by size (SIZED_FORMS).
+REDUCESCATTER_FORMS = ("serial", "pipelined", "pipelined-8", "pipelined-16", "pipelined-32",
+                       "pipelined-2")
 # How the row gather (kernels/rowgather.py) keeps bytes in flight (NOTE [row gather batches]):
 # "unit" (one 16-byte unit per thread at a time) or "batched" (several loads first, then their
 # stores). Tuning's default "auto" picks by size (SIZED_FORMS).

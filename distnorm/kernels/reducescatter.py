@@ -20,7 +20,9 @@ MiB but 2.5 % slower at 8192 x 4096; 4 x H200: 1.8-11 % slower than 4 rounds; be
 rs_rounds8_ab_h200_x{2,4}.md; likely, not timed apart: at 4 ranks a round's barrier waits on three
 peers and costs more than the round hides), "pipelined-16" and "pipelined-32" up to 16 and 32
 (packed FP4 at 2 ranks is fastest with about two row groups per round, 1-byte codes with about
-four; a round of one row group is much slower: collectives/plan.py's ladder notes). Every
+four; a round of one row group is much slower: collectives/plan.py's ladder notes), and
+"pipelined-2" up to 2 (in no ladder yet: for 2048-row calls, where a CTA has 4-8 row groups and
+"pipelined" cuts them into rounds of one or two). Every
 rank's same-index CTA has the same groups (push_groups, grid and index agree: the signature says
 so), hence the same rounds and barriers. A round only reads slot rows its peers
 pushed before that round's barrier, and the rows of round r + 1 are others, so no read meets a
@@ -77,7 +79,7 @@ RS_ALGOS = ("reducescatter", "rsgather")
 # NOTE [reduce-scatter rounds]: the most rounds a CTA's row groups are cut into, per form ("serial":
 # one); each round costs one more cross-rank barrier (a few us of NVLink latency per CTA)
 RS_FORM_ROUNDS = {"serial": 1, "pipelined": 4, "pipelined-8": 8, "pipelined-16": 16,
-                  "pipelined-32": 32}
+                  "pipelined-32": 32, "pipelined-2": 2}
 
 # NOTE [batched copies]: the epilogue gather's copies (q and scale rows to the peers, then the
 # other shards' rows out of my q area) issue all of a batch's loads before its stores: a store

@@ -9,7 +9,8 @@ gathered for the next GEMM, side by side in one run with the unfused chain and a
     dn_rs_<fmt>_gather_pipe  the same, the reduce-scatter in its "pipelined" form
                         (Tuning.reducescatter_form; NOTE [reduce-scatter rounds]); _pipe8 / _pipe16
                         / _pipe32 / _pipe2: its "pipelined-8" / -16 / -32 / -2 forms (up to 8 /
-                        16 / 32 / 2 rounds per CTA); _batched: the row gather in its "batched" form (Tuning.rowgather_form; NOTE [row gather
+                        16 / 32 / 2 rounds per CTA); _g2 / _g4: "pipelined-g2" / -g4 (rounds of
+                        at most 2 / 4 row groups); _batched: the row gather in its "batched" form (Tuning.rowgather_form; NOTE [row gather
                         batches]); _both: both; _r1: one row per CTA in the reduce-scatter
                         (Tuning.rows_per_cta; choose_tiling's gives two at H <= 4096);
                         _pipe_r1 / _pipe2_r1: pipelined / pipelined-2 with one row per CTA; _c<N>
@@ -62,7 +63,8 @@ EPS = 1e-6
 FORMATS = ("fp8", "nvfp4")  # timed by default; --formats also takes fp8pt (per-token FP8)
 # the reduce-scatter's forms (plan.REDUCESCATTER_FORMS) -> their column tag, dn_rs_<fmt>_gather_<tag>
 RS_FORM_TAGS = {"serial": "serial", "pipelined": "pipe", "pipelined-8": "pipe8",
-                "pipelined-16": "pipe16", "pipelined-32": "pipe32", "pipelined-2": "pipe2"}
+                "pipelined-16": "pipe16", "pipelined-32": "pipe32", "pipelined-2": "pipe2",
+                "pipelined-g2": "g2", "pipelined-g4": "g4"}
 
 
 def format_kwargs(fmt: str, device) -> dict:

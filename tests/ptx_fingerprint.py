@@ -84,6 +84,7 @@ ALLREDUCE = [
     ("rsgather", 2, "bfloat16", 4096, "fp8", True, False, False, False, True, 0, "pipelined-16"),
     ("rsgather", 2, "bfloat16", 8192, "nvfp4l", True, False, False, False, True, 0, "pipelined-32"),
     ("rsgather", 2, "bfloat16", 4096, "nvfp4l", True, False, False, False, True, 0, "pipelined-2"),
+    ("rsgather", 2, "bfloat16", 8192, "fp8", True, False, False, False, True, 0, "pipelined-g4"),
     ("rsgather", 8, "float16", 4096, "pg128", False, True, False, False, True, 0),
 ]
 

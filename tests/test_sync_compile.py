@@ -111,7 +111,7 @@ def test_algorithm_form_tuning(monkeypatch):
     # every form has its rounds in the kernel (NOTE [reduce-scatter rounds])
     from distnorm.kernels.reducescatter import RS_FORM_ROUNDS
     assert tuple(RS_FORM_ROUNDS) == REDUCESCATTER_FORMS
-    assert [RS_FORM_ROUNDS[f] for f in REDUCESCATTER_FORMS] == [1, 4, 8, 16, 32, 2]
+    assert [RS_FORM_ROUNDS[f] for f in REDUCESCATTER_FORMS] == [1, 4, 8, 16, 32, 2, -2, -4]
     # packed FP4 has its own ladder by world size (the kernel key picks it)
     from distnorm.formats import make_quant_spec
     sizes = (8 << 20, 32 << 20, 64 << 20, 128 << 20, 256 << 20)

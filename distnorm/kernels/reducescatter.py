@@ -22,7 +22,11 @@ peers and costs more than the round hides), "pipelined-16" and "pipelined-32" up
 (packed FP4 at 2 ranks is fastest with about two row groups per round, 1-byte codes with about
 four; a round of one row group is much slower: collectives/plan.py's ladder notes), and
 "pipelined-2" up to 2 (in no ladder yet: for 2048-row calls, where a CTA has 4-8 row groups and
-"pipelined" cuts them into rounds of one or two). Every
+"pipelined" cuts them into rounds of one or two). "pipelined-g2" and "pipelined-g4" (in no ladder
+yet) say the rule directly: rounds of at most 2 or 4 row groups, as many as that takes; at 2
+ranks they would pick, row for row, the fastest forced form of every measured gathered call from
+8192 rows (g2 for packed FP4, g4 for 1-byte codes), to be confirmed with 2048-row calls and other
+H. Every
 rank's same-index CTA has the same groups (push_groups, grid and index agree: the signature says
 so), hence the same rounds and barriers. A round only reads slot rows its peers
 pushed before that round's barrier, and the rows of round r + 1 are others, so no read meets a
@@ -77,9 +81,10 @@ __all__ = ["ReduceScatter", "RS_FORM_ROUNDS", "RS_ALGOS", "COPY_BATCH"]
 RS_ALGOS = ("reducescatter", "rsgather")
 
 # NOTE [reduce-scatter rounds]: the most rounds a CTA's row groups are cut into, per form ("serial":
-# one); each round costs one more cross-rank barrier (a few us of NVLink latency per CTA)
+# one), or (negative) the most row groups per round; each round costs one more cross-rank barrier
+# (a few us of NVLink latency per CTA)
 RS_FORM_ROUNDS = {"serial": 1, "pipelined": 4, "pipelined-8": 8, "pipelined-16": 16,
-                  "pipelined-32": 32, "pipelined-2": 2}
+                  "pipelined-32": 32, "pipelined-2": 2, "pipelined-g2": -2, "pipelined-g4": -4}
 
 # NOTE [batched copies]: the epilogue gather's copies (q and scale rows to the peers, then the
 # other shards' rows out of my q area) issue all of a batch's loads before its stores: a store

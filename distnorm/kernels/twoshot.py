@@ -127,14 +127,17 @@ class TwoShot:
     @cute.jit
     def _rounds(self, first: Int32, step: Int32, groups: Int32, most: cutlass.Constexpr):
         """(rounds, span, end of round 0) of a CTA's row groups first, first + step, ... < groups
-        cut into at most `most` rounds of `span` (a multiple of step) in g (NOTE [two-shot
-        rounds], NOTE [reduce-scatter rounds])."""
+        cut into at most `most` rounds of `span` (a multiple of step) in g, or with most < 0 into
+        rounds of at most -most groups (NOTE [two-shot rounds], NOTE [reduce-scatter rounds])."""
         mine = Int32(0)  # my groups: g = first + k * step, k < mine
         if first < groups:
             mine = (groups - first + step - 1) // step
         rounds = mine
-        if rounds > Int32(most):
-            rounds = Int32(most)
+        if const_expr(most > 0):
+            if rounds > Int32(most):
+                rounds = Int32(most)
+        else:
+            rounds = (mine + Int32(-most - 1)) // Int32(-most)
         if rounds < Int32(1):
             rounds = Int32(1)
         span = (mine + rounds - 1) // rounds * step

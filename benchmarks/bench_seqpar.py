@@ -11,8 +11,9 @@ gathered for the next GEMM, side by side in one run with the unfused chain and a
                         / _pipe32 / _pipe2: its "pipelined-8" / -16 / -32 / -2 forms (up to 8 /
                         16 / 32 / 2 rounds per CTA); _g2 / _g4: "pipelined-g2" / -g4 (rounds of
                         at most 2 / 4 row groups); _batched: the row gather in its "batched"
-                        form (Tuning.rowgather_form; NOTE [row gather batches]); _both: both; _r1: one row per CTA in the reduce-scatter
-                        (Tuning.rows_per_cta; choose_tiling's gives two at H <= 4096);
+                        form (Tuning.rowgather_form; NOTE [row gather batches]); _both: both;
+                        _r1: one row per CTA in the reduce-scatter (Tuning.rows_per_cta;
+                        choose_tiling's gives two at H <= 4096);
                         _pipe_r1 / _pipe2_r1: pipelined / pipelined-2 with one row per CTA; _c<N>
                         (with `--rs-ctas N ...`): the reduce-scatter's grid capped at N CTAs
                         (Tuning.max_ctas)

@@ -50,8 +50,8 @@ from distnorm.collectives.dispatch import gathered_sum  # noqa: E402
 from distnorm.launch import init_distributed  # noqa: E402
 
 SHAPES = [(M, H) for H in (4096, 8192) for M in (1, 16, 128, 512, 2048, 8192, 16384)]
-PATHS = ("peer", "nopeer", "gather", "split", "split-h", "rowsplit-torch",
-         "allgather", "nccl+fused")
+PATHS = ("peer", "nopeer", "gather", "split", "split-h", "rowsplit-torch", "allgather",
+         "nccl+fused")
 PARTS = ("nccl-ar", "nccl-ag", "nccl-ag-inplace", "nccl-a2a", "fused", "fold")
 
 

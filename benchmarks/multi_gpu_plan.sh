@@ -26,9 +26,10 @@
 #                   from 4 GPUs also the node chain (--ranks-per-node N/2: peer kernels inside each half, NCCL between)
 #   tp-layer        bench_tp_layer.py, bf16 and --fp8: the TP decoder layer in its five forms
 #   rs-forms        the reduce-scatter's forms (NOTE [reduce-scatter rounds]: serial, pipelined,
-#                   pipelined-2 / -8 / -16 / -32 / -g2 / -g4): the forms and row-split GPU tests, then bench_seqpar's
-#                   gathered forms and the reduce-scatter alone at 512-16384 rows (a column per form,
-#                   and _r1 / _pipe_r1 / _pipe2_r1 with one row per CTA; the all-reduces alone beside them)
+#                   pipelined-2 / -8 / -16 / -32 / -g2 / -g4): the forms and row-split GPU tests,
+#                   then bench_seqpar's gathered forms and the reduce-scatter alone at 512-16384
+#                   rows (a column per form, and _r1 / _pipe_r1 / _pipe2_r1 with one row per CTA;
+#                   the all-reduces alone beside them)
 #   faults-ab       fault handling's cost: bench_allreduce_fusion's distnorm cases from 06bbda4 (which
 #                   brought it), its parent and this tree, alternated (benchmarks/ab_trees.py)
 #   tuning          bench_allreduce_fusion's fused FP8 and plain cases with the two-shot forms

@@ -33,8 +33,8 @@ measured). With a residual split never wins: it receives x and the outputs (h am
 split-h receives x and h, with the same two collectives; it was the slowest form at 128 rows at 4
 ranks, where the constants before this fit (1 MiB per collective, split counted as one) took it.
 No multi-node machine yet: over a slower network the bytes weigh more and the crossovers move
-down. DISTNORM_NOPEER_FORM=gather|split|split-h forces a form (benchmarks, tests;
-split-h without a residual runs split).
+down. DISTNORM_NOPEER_FORM=gather|split|split-h forces a form (benchmarks, tests; split-h
+without a residual runs split).
 
 Both are chunked so that the receive buffer stays within the workspace's buffer size, and
 NOTE [overlapped chunks]: chunk k + 1's collective (all_gather, or all_to_all) is issued before
@@ -312,11 +312,10 @@ def allreduce_no_peer(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps
     if form == "split":
         _split_form(*args, rank, max(1, buffer_bytes // max(row, out_bytes)))
         return
-    gather = form == "gather"
-    chunk = max(1, buffer_bytes // (world * row if gather else row))
+    chunk = max(1, buffer_bytes // (world * row if form == "gather" else row))
     if chunk < M and spec is not None and spec.block_scaled and spec.swizzled:
         chunk = max(128, chunk // 128 * 128)  # swizzled scales: chunks of whole 128-row tiles
-    if gather:
+    if form == "gather":
         _gather_form(*args, chunk)
     else:
         _split_h_form(*args, rank, chunk)

@@ -1,8 +1,9 @@
 """The algorithms' forms (distnorm.collectives.plan.ALGORITHM_FORMS: two-shot "push", "pull-gather",
 "pull", NOTE [two-shot forms] in distnorm/kernels/twoshot.py; lamport "poll-all", "poll-unseen",
-NOTE [lamport polls] in distnorm/kernels/lamport.py; the sequence-parallel reduce-scatter "serial",
-"pipelined", "pipelined-8", "pipelined-16", NOTE [reduce-scatter rounds]): each meets the reference
-on every element and every form of an algorithm gives the same bytes (same float32 operations, other traffic).
+NOTE [lamport polls] in distnorm/kernels/lamport.py; the sequence-parallel reduce-scatter's
+REDUCESCATTER_FORMS, "serial" and the pipelined ones, NOTE [reduce-scatter rounds]): each meets the
+reference on every element and every form of an algorithm gives the same bytes (same float32
+operations, other traffic).
 Back-to-back calls that mix the forms with the other algorithms, never synchronized in between,
 check the barriers and areas that keep a peer's reads apart from the next call's writes.
 
@@ -21,7 +22,7 @@ import torch
 from allreduce_cases import (BUFFER_BYTES, algo_capacity_rows, checked_on_every_rank,
                              group_bootstrap, make_inputs, quant_kwargs, quant_spec)
 from harness import MULTIGPU_MARKS, all_gather_tensors, gathered_check
-from distnorm.collectives.plan import ALGORITHM_FORMS, REDUCESCATTER_FORMS, ROWGATHER_FORMS
+from distnorm.collectives.plan import ALGORITHM_FORMS, REDUCESCATTER_FORMS
 from distnorm.launch import run_distributed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -163,7 +164,7 @@ def _body_reducescatter_forms_agree() -> None:
             # the pipelined forms' rows are gathered in the row gather's batched form
             state.tuning = dataclasses.replace(
                 default, reducescatter_form=form,
-                rowgather_form=ROWGATHER_FORMS[min(REDUCESCATTER_FORMS.index(form), 1)],
+                rowgather_form="unit" if form == "serial" else "batched",
                 max_ctas={"reducescatter": max_ctas} if max_ctas else {})
             a, b = distnorm.shard_rows(M, ws)
             _poison_free_memory()

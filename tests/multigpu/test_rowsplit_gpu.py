@@ -88,7 +88,7 @@ def _body() -> None:
                 # without allreduce_out: collectives/nopeer.py
                 for form in ("gather", "split", "split-h"):
                     os.environ["DISTNORM_NOPEER_FORM"] = form
-                    in_place = not form.startswith("gather")
+                    in_place = form != "gather"
                     outs = _poisoned_outputs(quant, opts, M, H, in_place=in_place)
                     if in_place:
                         outs["residual_out"].copy_(res)  # vLLM's form: h written over residual

@@ -273,12 +273,14 @@ def test_swizzle_matches_tile_loop(M, K):
         assert torch.equal(out.view(torch.uint8), sw)
 
 
-@pytest.mark.parametrize("M,K", [(256, 8), (128, 512), (384, 4)])
-def test_swizzle_into_whole_tiles_from_strided_rows(M, K):
-    """swizzle_into's one-copy path: whole tiles, the linear rows taken from a wider tensor."""
+@pytest.mark.parametrize("M,K,first", [(256, 8, 4), (128, 512, 4), (384, 4, 4), (300, 16, 8),
+                                       (256, 8, 1), (300, 16, 2)])
+def test_swizzle_into_whole_tiles_from_strided_rows(M, K, first):
+    """swizzle_into's word copy: the linear rows taken from a wider tensor at column `first`
+    (off 4-byte words at 1 and 2: the path through to_swizzled), a partial last tile at 300."""
     wide = torch.randint(1, 256, (M, K + 12), generator=gen(M + K), dtype=torch.uint8)
-    lin = wide[:, 4:4 + K]
-    out = torch.full((M, K), 0x5A, dtype=torch.uint8)
+    lin = wide[:, first:first + K]
+    out = torch.full((-(-M // 128) * 128, K), 0x5A, dtype=torch.uint8)
     swizzle_into(lin, out)
     assert torch.equal(out, to_swizzled(lin.contiguous()))
 

@@ -281,13 +281,16 @@ def scales_geometry(spec: Optional[QuantSpec], M: int, H: int):
 
 def pushed_scale_row_bytes(spec: Optional[QuantSpec], H: int) -> int:
     """Bytes of one row of spec's scales when a kernel can push them as rows of whole 4-byte
-    units (row-major, linear: each row's scales contiguous; 16-byte units where the row has
-    them), else 0 (no scales, swizzled or column-major layouts, rows of another size)."""
+    units (16-byte units where the row has them), else 0 (no scales, column-major layouts, rows
+    of another size). Row-major linear layouts hold each row's scales contiguous; the 128x4
+    swizzled one holds a row's blocks 4b .. 4b + 3 in one 4-byte word (swizzled_offset), so a row
+    of whole words is read word by word and pushed as its linear row (NOTE [swizzled scales
+    gathered] in kernels/reducescatter.py)."""
     geo = scales_geometry(spec, 1, H)
-    if geo is None or spec.col_major or (spec.block_scaled and spec.swizzled):
+    if geo is None or spec.col_major:
         return 0
-    (_, k), _, dtype = geo
-    row_bytes = k * dtype.itemsize
+    _, _, dtype = geo
+    row_bytes = (1 if kernel_spec(spec).info.scales == "row" else H // spec.group_size) * dtype.itemsize
     return row_bytes if row_bytes % 4 == 0 else 0
 
 

@@ -76,7 +76,7 @@ ALLREDUCE = [
     ("reducescatter", 4, "bfloat16", 7168, "nvfp4s", True, False, True, False, True, 0,
      "pipelined"),
     # NOTE [gather in the epilogue]: q pushed from the epilogue (a row of whole lanes' units, a
-    # ragged one, packed fp4; every form; gathered block scales leave it linear: seqpar._run)
+    # ragged one, packed fp4; every form; linear block scales)
     ("rsgather", 2, "bfloat16", 8192, "fp8", True, False, False, False, True, 0),
     ("rsgather", 2, "bfloat16", 2880, "pt", True, False, True, False, True, 0),
     ("rsgather", 4, "bfloat16", 7168, "nvfp4l", True, False, True, False, True, 0, "pipelined"),
@@ -86,6 +86,12 @@ ALLREDUCE = [
     ("rsgather", 2, "bfloat16", 4096, "nvfp4l", True, False, False, False, True, 0, "pipelined-2"),
     ("rsgather", 2, "bfloat16", 8192, "fp8", True, False, False, False, True, 0, "pipelined-g4"),
     ("rsgather", 8, "float16", 4096, "pg128", False, True, False, False, True, 0),
+    # NOTE [swizzled scales gathered]: swizzled block scales pushed word by word (16-byte units,
+    # 4-byte units at H 2880, ue8m0 at world 4) and stored at their swizzled places
+    ("rsgather", 2, "bfloat16", 4096, "nvfp4s", True, False, False, False, True, 0),
+    ("rsgather", 2, "bfloat16", 8192, "nvfp4s", True, False, False, False, True, 0, "pipelined-g2"),
+    ("rsgather", 4, "bfloat16", 2880, "nvfp4s", True, False, True, False, True, 0, "pipelined"),
+    ("rsgather", 4, "bfloat16", 7168, "mxfp8s", True, False, False, False, True, 0),
 ]
 
 # (world, copy unit per segment) of the row gather (kernels/rowgather.py): q alone; q, per-token

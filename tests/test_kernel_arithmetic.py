@@ -222,3 +222,25 @@ def test_block_amax_lane_exchange(monkeypatch, lanes):
                         got = block_scales.BlockScales._lane_value(None, amax, k, group, lane)
                         assert np.array_equal(got, block[j0 + k], equal_nan=True), (nv, group, k)
             group *= 2
+
+
+@pytest.mark.parametrize("world, S, K", [(2, 128, 4), (2, 1024, 256), (4, 256, 180), (8, 128, 512)])
+def test_gathered_swizzled_scale_words(world, S, K):
+    """NOTE [swizzled scales gathered] in kernels/reducescatter.py, as the kernel addresses it:
+    each shard (S whole tiles) reads its rows' words at swizzled_offset(i, 4w, K) of its own view,
+    sends them as linear rows, and every rank stores word w of row s * S + i at the full output's
+    start (its view's start less rank * S * K bytes) + swizzled_offset(s * S + i, 4w, K): the full
+    output is then to_swizzled of the rows in order."""
+    M, kw = world * S, K // 4
+    linear = torch.randint(0, 1 << 30, (M, kw), dtype=torch.int64)  # a word per 4 blocks
+    full = torch.full((M * K // 4,), -1, dtype=torch.int64)  # a word per slot, poisoned
+    i = torch.arange(S).view(S, 1).expand(S, kw)
+    w = torch.arange(kw).view(1, kw).expand(S, kw)
+    for rank in range(world):
+        view = torch.full((S * K // 4,), -1, dtype=torch.int64)  # the epilogue's swizzled shard
+        view[swizzled_offset(i, 4 * w, K) // 4] = linear[rank * S:(rank + 1) * S]
+        sent = view[swizzled_offset(i, 4 * w, K) // 4]  # the push's loads: the linear rows
+        start = rank * S * K  # the view's start in the full output (bytes)
+        full[(start - rank * S * K + swizzled_offset(rank * S + i, 4 * w, K)) // 4] = sent
+    want = to_swizzled(linear.repeat_interleave(4, 1))[:, ::4].flatten()  # each word once
+    assert torch.equal(full, want)

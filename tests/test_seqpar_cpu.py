@@ -293,7 +293,9 @@ def test_kernel_writes_the_given_gathered_rows(monkeypatch, spec_name):
 def test_scales_pushed_with_q_where_their_rows_fit(monkeypatch):
     """NOTE [gathered scales] / [gather in the epilogue]: with gather=True in one launch, scales
     whose row-major linear rows are whole 4-byte units go with q (the kernel's spec then has
-    linear scales, written into the gathered tensor: per-token's too); scales of other rows
+    linear scales, written into the gathered tensor: per-token's too; with gather_by
+    "epilogue-swizzled" swizzled ones stay swizzled when every shard is whole 128-row tiles:
+    NOTE [swizzled scales gathered]); scales of other rows
     (MXFP4 at H = 2880: 90 bytes) leave q to the kernel and keep their own rule; a spec whose rows would be
     pushed but do not fit the q area leaves everything to the row gather (its kernel would push
     them: no rsgather). The plain reduce-scatter and chunked calls never gather."""
@@ -313,6 +315,16 @@ def test_scales_pushed_with_q_where_their_rows_fit(monkeypatch):
     big = _fake_workspace(p2p_ok=True, world_size=world, buffer_bytes=256 << 20)
     x = _FakeRows(M, H)
     assert _kernel_gathers(big, x, nvfp4, True, True) == (S, linear_spec(nvfp4), True, True, True)
+    # gather_by "epilogue-swizzled": swizzled scales stay swizzled for shards of whole 128-row
+    # tiles, else go linear
+    state_of(big).tuning = dataclasses.replace(state_of(big).tuning, gather_by="epilogue-swizzled")
+    assert _kernel_gathers(big, x, nvfp4, True, True) == (S, nvfp4, True, True, True)
+    assert _kernel_gathers(big, _FakeRows(2 * 200, H), nvfp4, True, True) == (
+        200, linear_spec(nvfp4), True, True, True)
+    assert _kernel_gathers(big, _FakeRows(2 * S + 1, H), nvfp4, True, True)[1:] == (
+        linear_spec(nvfp4), True, True, True)
+    assert _kernel_gathers(big, x, per_token, True, True) == (S, per_token, True, True, True)
+    state_of(big).tuning = dataclasses.replace(state_of(big).tuning, gather_by="epilogue")
     assert _kernel_gathers(big, x, per_token, True, True) == (S, per_token, True, True, True)
     assert _kernel_gathers(big, x, nvfp4, False, True) == (S, nvfp4, False, False, False)
     odd = _kernel_gathers(big, _FakeRows(2 * 200, 2880), mxfp4, True, True)  # 90-byte rows

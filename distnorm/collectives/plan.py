@@ -300,8 +300,11 @@ TUNING_FORMS = {algo: ((AUTO_FORM,) + forms if algo in SIZED_FORMS else forms)
 # the default first: "epilogue" (q pushed from the reduce-scatter's epilogue, NOTE [gather in the
 # epilogue] in kernels/reducescatter.py, the rest as "peers"; NOT yet measured against "peers"), "peers"
 # (the row gather kernel), "nccl". The peers beat NCCL's all_gather at every size measured on 2 x
-# H200 (FP8 at 512 x 8192 35.4 vs 46.5 us, 16384 x 8192 796 vs 806: seqpar_h200_x2.md)
-GATHER_BY = ("epilogue", "peers", "nccl")
+# H200 (FP8 at 512 x 8192 35.4 vs 46.5 us, 16384 x 8192 796 vs 806: seqpar_h200_x2.md).
+# "epilogue-swizzled": "epilogue", and 128x4-swizzled block scales of whole-tile shards pushed from
+# it and stored swizzled (NOTE [swizzled scales gathered]) instead of linear and laid out after
+# the kernel; not yet run on GPUs, so not the default.
+GATHER_BY = ("epilogue", "peers", "nccl", "epilogue-swizzled")
 # DISTNORM_NOPEER_FORM (collectives/nopeer.py, NOTE [no-peer forms]): "auto" (by byte count, the
 # default) or a forced form
 NOPEER_FORMS = ("auto", "gather", "split", "split-h")
@@ -333,7 +336,8 @@ class Tuning:
     gather_by: how the sequence-parallel ops gather rows with peer mappings: "epilogue" (q from
       the reduce-scatter kernel's epilogue when it fits, NOTE [gather in the epilogue]; the rest as
       "peers"), "peers" (the row gather kernel, kernels/rowgather.py) or "nccl" (torch.distributed
-      all_gather); same bytes.
+      all_gather), or "epilogue-swizzled" ("epilogue" with swizzled scales stored swizzled by the
+      kernel, GATHER_BY's note); same bytes.
     """
 
     pdl: bool = True

@@ -158,8 +158,8 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
     if q_gathered:
         got["q"] = full["q"][:M]
     s = out.scales
-    if s_gathered:  # the kernel gathered them, row-major linear: spec's layout now
-        s = _in_layout(full["scales"][:M], spec, M, H)
+    if s_gathered:  # the kernel gathered them: in spec's layout, or row-major linear
+        s = full["scales"][:M] if kspec == spec else _in_layout(full["scales"][:M], spec, M, H)
     elif has_scales:
         s = got["scales"] if "scales" in full else _in_layout(got["scales"], spec, M, H)
     return NormQuantOutput(out.residual, got.get("y"), got.get("q"),
@@ -172,7 +172,9 @@ def _kernel_gathers(ws: Workspace, x2: Tensor, spec: Optional[QuantSpec], gather
     scales gathered by it, scales written into the gathered tensor's rows). NOTE [gathered
     scales]: scales to gather are written by the kernel straight into their rows of the full
     output: pushed with q in one launch when their row-major linear rows are whole 4-byte units
-    (then put in spec's layout once, after the kernel), else in spec's layout where it allows
+    (in spec's layout when that is row-major, or swizzled for shards of whole tiles under
+    gather_by "epilogue-swizzled": NOTE [swizzled scales gathered] in kernels/reducescatter.py;
+    else put in spec's layout once, after the kernel), else in spec's layout where it allows
     (_scales_in_place), else row-major and linear, as the row gather takes them, and put in spec's
     layout once, after it. Every rank computes it from the same call and workspace."""
     M, H = x2.shape
@@ -187,7 +189,11 @@ def _kernel_gathers(ws: Workspace, x2: Tensor, spec: Optional[QuantSpec], gather
     # a chunk's view sits at rank * S + its offset
     pushed = pushed_scale_row_bytes(linear_spec(spec), H) if has_scales else 0
     if pushed and _q_in_epilogue(ws, spec, M, H, pushed):
-        return chunk, linear_spec(spec), True, True, True
+        from distnorm.collectives.state import state_of
+
+        # NOTE [swizzled scales gathered]: those of whole-tile shards may stay swizzled
+        swizzled = in_place and state_of(ws).tuning.gather_by == "epilogue-swizzled"
+        return chunk, spec if swizzled else linear_spec(spec), True, True, True
     # the kernel of a spec with pushed scale rows always pushes them: none unless they fit
     q_gathered = not pushed and _q_in_epilogue(ws, spec, M, H)
     return chunk, kspec, q_gathered, False, in_place
@@ -320,7 +326,7 @@ def _q_in_epilogue(ws: Workspace, spec: QuantSpec, M: int, H: int,
     from distnorm.collectives.layout import lamport_split, push_half
     from distnorm.collectives.state import state_of
 
-    if state_of(ws).tuning.gather_by != "epilogue":
+    if not state_of(ws).tuning.gather_by.startswith("epilogue"):
         return False
     q_row_bytes = q_shape(spec, 1, H)[1]  # one byte per element or per two (packed fp4)
     general = lamport_split(ws.buffer_bytes)[0]
@@ -371,6 +377,12 @@ def _launch_scatter(ws: Workspace, state, x: Tensor, residual, residual_out, wei
     from distnorm.kernels.compile_allreduce import compiled_allreduce
 
     kspec = kernel_spec(spec)
+    if algo == "rsgather" and kspec is not None and kspec.swizzled and \
+            pushed_scale_row_bytes(kspec, x.shape[1]):
+        S = x.shape[0] // ws.world_size  # NOTE [swizzled scales gathered]: whole-tile shards only
+        if x.shape[0] != ws.world_size * S or S % 128:
+            raise RuntimeError(f"distnorm internal: rsgather with swizzled scales needs shards of "
+                               f"whole 128-row tiles, got M={x.shape[0]} over {ws.world_size} ranks")
     key = allreduce_kernel_key(algo, ws.world_size, x.dtype, x.shape[1], spec, residual is not None,
                                gemma, y_out is not None, False, state.tuning,
                                x.numel() * x.element_size())

@@ -52,6 +52,19 @@ out afterwards: NOTE [gathered scales] in collectives/seqpar.py); other scales a
 gathered after the kernel. Same bytes as the row gather: bitwise. The copies' loads go before
 their stores (NOTE [batched copies]).
 
+NOTE [swizzled scales gathered]: 128x4-swizzled block scales whose rows are whole 4-byte words
+(formats.pushed_scale_row_bytes) go the same way when every shard is whole 128-row tiles (S %
+128 == 0 and M = N * S: the host's _scales_in_place in collectives/seqpar.py, the only calls
+that launch "rsgather" with swizzled scales). The epilogue writes my shard's scales swizzled into
+my tiles of the full output (a contiguous run of tiles: my shard's view), the push reads each of
+my rows back word by word (a row's blocks 4b .. 4b + 3 are one word) and sends it as a linear row,
+and the copy-out stores each word of the other shards' linear rows at its swizzled place in the
+full output (offsets from the full output's start: my view's start less rank * S * K bytes). The
+host then has nothing to lay out: before, a permuted copy after the kernel (formats.swizzle_into:
+2.4 us at 2048 x 256 scales, 4.9 at 8192 x 256, 7.9 at 16384 x 256 on one H200, in 4-byte words;
+1.4-1.9x that in bytes, as it ran before, benchmarks/results/swizzle_into_h200.md). Same bytes, the
+same places: bitwise.
+
 NOTE [copy-out by rounds]: the pipelined form copies round r's gathered rows out right after the
 barrier that follows round r (it orders every peer's q pushes of the round before it), while the
 peers' later rounds still cross the link; only the last round's rows wait for the final barrier.
@@ -72,6 +85,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 # absolute imports: the 4.3.5 DSL preprocessor needs them
+from distnorm.formats import swizzled_offset
 from distnorm.kernels.sync import (ld_volatile_sys_u32, ld_volatile_sys_v4_u32,
                                   st_volatile_sys_v4_u32, st_volatile_u32)
 
@@ -218,7 +232,10 @@ class ReduceScatter:
                                   self.s_row_bytes))
                 loaded = []
                 for p in cutlass.range_constexpr(len(parts)):
-                    loaded.append(self._unit_loads(parts[p][0], lane, parts[p][2]))
+                    if const_expr(p == 1 and self.q.swizzled):  # NOTE [swizzled scales gathered]
+                        loaded.append(self._swizzled_row_loads(s_base, i, lane))
+                    else:
+                        loaded.append(self._unit_loads(parts[p][0], lane, parts[p][2]))
                 for p in cutlass.range_constexpr(len(parts)):
                     unit, units, per_lane = self._units(parts[p][2])
                     for k in cutlass.range_constexpr(per_lane):
@@ -228,6 +245,15 @@ class ReduceScatter:
                                 if Int32(s) != rank:
                                     _unit_store(mBuf[self.world + s] + parts[p][1]
                                                 + Int64(u) * Int64(unit), loaded[p][k])
+
+    def _swizzled_unit_store(self, full_s: Int64, row: Int32, u: Int32, unit: int,
+                             val: tuple) -> None:
+        """Store unit u of row `row`'s linear scales (val: its words) word by word at their
+        places in the 128x4-swizzled full output at full_s (NOTE [swizzled scales gathered])."""
+        k_blocks = self.t.hidden // self.q.group_size
+        for j in range(unit // 4):
+            st_volatile_u32(full_s + Int64(swizzled_offset(
+                row, (u * Int32(unit // 4) + Int32(j)) * Int32(4), k_blocks)), val[j])
 
     def _scale_area(self, slice_rows: Int32) -> Int64:
         """Byte offset of the gathered scale rows in a q area: after the world * S q rows."""
@@ -256,6 +282,23 @@ class ReduceScatter:
             vals.append(ld_volatile_sys_v4_u32(at) if unit == 16 else (ld_volatile_sys_u32(at),))
         return vals
 
+    def _swizzled_row_loads(self, s_base: Int64, row: Int32, lane: Int32) -> list:
+        """_unit_loads of row `row` of the 128x4-swizzled scales at s_base, as its linear row: unit
+        u's words are blocks 4w .. 4w + 3 for w = u * words_per_unit + j, each at its
+        swizzled_offset (NOTE [swizzled scales gathered])."""
+        unit, units, per_lane = self._units(self.s_row_bytes)
+        k_blocks = self.t.hidden // self.q.group_size
+        vals = []
+        for k in range(per_lane):
+            u = lane + Int32(k * self.t.threads_per_row)
+            if units % self.t.threads_per_row:
+                u = u * Int32(u < Int32(units))
+            vals.append(tuple(
+                ld_volatile_sys_u32(s_base + Int64(swizzled_offset(
+                    row, (u * Int32(unit // 4) + Int32(j)) * Int32(4), k_blocks)))
+                for j in range(unit // 4)))
+        return vals
+
     @cute.jit
     def _copy_out_q(self, mBuf, q_base: Int64, s_base: Int64, m: Int32, slice_rows: Int32,
                     rank: Int32, groups: Int32, bidx: Int32, nblk: Int32, row_in_cta: Int32,
@@ -269,11 +312,15 @@ class ReduceScatter:
         kinds = [(Int64(0), qrb, q_base, self.q_row_bytes)]
         if const_expr(self.gather_scales):
             kinds.append((self._scale_area(slice_rows), srb, s_base, self.s_row_bytes))
+        full_s = None
+        if const_expr(self.gather_scales and self.q.swizzled):
+            # NOTE [swizzled scales gathered]: my view starts rank * S rows (whole tiles) in
+            full_s = s_base - Int64(rank) * Int64(slice_rows) * srb
         for g in range(bidx, groups, nblk):
             i = g * self.t.rows_per_cta + row_in_cta
             # NOTE [batched copies]: COPY_BATCH shards' rows loaded, then stored
             for s0 in cutlass.range_constexpr(0, self.world, COPY_BATCH):
-                oks, dsts, loaded = [], [], []
+                oks, dsts, loaded, rows = [], [], [], []
                 for s in cutlass.range_constexpr(s0, min(self.world, s0 + COPY_BATCH)):
                     rows_s = m - Int32(s) * slice_rows  # shard s's rows
                     if rows_s > slice_rows:
@@ -285,6 +332,7 @@ class ReduceScatter:
                     for kd in cutlass.range_constexpr(len(kinds)):
                         area, rb, base, nbytes = kinds[kd]
                         oks.append(ok)
+                        rows.append(Int32(s) * slice_rows + i)
                         dsts.append((base + mine * rb, nbytes))
                         loaded.append(self._unit_loads(own + area + read * rb, lane, nbytes))
                 for c in cutlass.range_constexpr(len(oks)):
@@ -292,4 +340,7 @@ class ReduceScatter:
                     for k in cutlass.range_constexpr(per_lane):
                         u = lane + Int32(k * self.t.threads_per_row)
                         if oks[c] & (u < Int32(units)):
-                            _unit_store(dsts[c][0] + Int64(u) * Int64(unit), loaded[c][k])
+                            if const_expr(c % len(kinds) == 1 and self.q.swizzled):
+                                self._swizzled_unit_store(full_s, rows[c], u, unit, loaded[c][k])
+                            else:
+                                _unit_store(dsts[c][0] + Int64(u) * Int64(unit), loaded[c][k])

@@ -7,6 +7,7 @@ allreduce_add_rmsnorm's, shard scales equal between the two. Inputs carry +B on 
 -B on the last (tests/test_rowsplit_cpu.py says why): a sum in another order than the ranks' shows."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -258,6 +259,33 @@ SEQPAR_ROWS = (0, 1, 3, 127, 128, 129, 512, 4099)
 SEQPAR_BUFFER = 128 << 20  # the peer workspace of _body_seqpar_rows
 
 
+@contextlib.contextmanager
+def _poisoned_gather_scales():
+    """The sequence-parallel op's gathered scales allocated poisoned (0xA5 bytes, NaN floats), so a
+    scale the kernel or the gather leaves unwritten shows (a fresh empty tensor often reuses the
+    previous call's block, which holds the same values); yields [the number of calls that laid
+    scales out after the kernel (seqpar._in_layout)]."""
+    from distnorm.collectives import seqpar
+
+    empty, in_layout = seqpar.empty_scales, seqpar._in_layout
+    layouts = [0]
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        if t is not None:
+            (t.view(torch.uint8).fill_(0xA5) if t.element_size() == 1 else t.fill_(float("nan")))
+        return t
+
+    def counted(*args, **kwargs):
+        layouts[0] += 1
+        return in_layout(*args, **kwargs)
+    seqpar.empty_scales, seqpar._in_layout = poisoned, counted
+    try:
+        yield layouts
+    finally:
+        seqpar.empty_scales, seqpar._in_layout = empty, in_layout
+
+
 def _body_seqpar_rows() -> None:
     """The sequence-parallel op at the row counts its issue names (M = 0, 1, 3, 127, 128, 129,
     4099) and 512 (every format of QUANTS; H = 4096): by the reduce-scatter kernel (peer mappings; rows
@@ -283,6 +311,12 @@ def _body_seqpar_rows() -> None:
 
     def check():
         expect = Expectations()
+        with _poisoned_gather_scales() as layouts:
+            _check_rows(expect, layouts)
+        torch.cuda.synchronize()
+        expect.raise_any()
+
+    def _check_rows(expect, layouts):
         H = 4096
         w = (torch.rand(H, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
              + 0.5).to(torch.bfloat16)
@@ -301,6 +335,8 @@ def _body_seqpar_rows() -> None:
                     expect(_kernel_chunk(peer, x, spec) >= -(-M // peer.world_size),
                            f"{name} M={M}: the reduce-scatter does not fit one launch")
                 for label, ws, gather_by in (("kernel, q in its epilogue", peer, "epilogue"),
+                                             ("kernel, swizzled scales in its epilogue", peer,
+                                              "epilogue-swizzled"),
                                              ("kernel", peer, "peers"),
                                              ("kernel, NCCL gather", peer, "nccl"),
                                              ("torch.distributed", nccl, "peers")):
@@ -311,6 +347,7 @@ def _body_seqpar_rows() -> None:
                                                                 workspace=ws, norm_out=True, **kw)
                     # y, q and scales: the row gather's three segments
                     launches, fused = state.row_gathers, state.epilogue_gathers
+                    laid_out = layouts[0]
                     full = distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, 1e-6, workspace=ws,
                                                                gather=True, norm_out=True, **kw)
                     by_peers = ws is peer and gather_by != "nccl" and M > 0
@@ -318,10 +355,17 @@ def _body_seqpar_rows() -> None:
                            f"{tag}: row gather launched {state.row_gathers - launches} times")
                     # NOTE [gather in the epilogue]: q gathered by the reduce-scatter kernel
                     last_shard = M - (peer.world_size - 1) * -(-M // peer.world_size)
-                    in_epilogue = (by_peers and gather_by == "epilogue" and quant is not None
-                                   and last_shard > 0)
+                    in_epilogue = (by_peers and gather_by.startswith("epilogue")
+                                   and quant is not None and last_shard > 0)
                     expect((state.epilogue_gathers > fused) == in_epilogue,
                            f"{tag}: {state.epilogue_gathers - fused} reduce-scatters gathered q")
+                    # NOTE [swizzled scales gathered]: shards of whole tiles need no layout after
+                    whole_tiles = M % peer.world_size == 0 and (M // peer.world_size) % 128 == 0
+                    if in_epilogue and whole_tiles and quant == "nvfp4":
+                        swizzled = gather_by == "epilogue-swizzled"
+                        expect((layouts[0] == laid_out) == swizzled,
+                               f"{tag}: scales laid out after the kernel {layouts[0] - laid_out} "
+                               "times")
                     expect(torch.equal(shard.residual, want.residual[a:b]), tag + " shard h")
                     expect(torch.equal(shard.y, want.y[a:b]), tag + " shard y")
                     expect(torch.equal(full.y, want.y), tag + " gathered y")
@@ -340,8 +384,6 @@ def _body_seqpar_rows() -> None:
                                tag + " all_gather_scales of the shards' scales")
                 state_of(peer).tuning = dataclasses.replace(state_of(peer).tuning,
                                                             gather_by="epilogue")
-        torch.cuda.synchronize()
-        expect.raise_any()
 
     def graph():
         """gather=True through the peers replays in a CUDA graph (under gloo too: no

@@ -180,11 +180,14 @@ def _check_given(name: str, t, x: Tensor, shape, dtype) -> None:
 
 
 def allocate_outputs(x: Tensor, spec: Optional[QuantSpec], has_residual: bool, want_y: bool,
-                     residual_out, y_out, q_out, scales_out, check_given: bool = True):
+                     residual_out, y_out, q_out, scales_out, check_given: bool = True,
+                     scale_rows: int = -1):
     """Allocate the outputs the caller did not pass; check the ones they did (check_given=False:
     left to the compiled kernel's entry, ops._launch_kernel_checked; a scales output's exact strides,
     which the entry cannot check, are checked either way). Allocated with empty_like, the cheapest
-    allocation call (host time: torch.empty costs about twice as much)."""
+    allocation call (host time: torch.empty costs about twice as much). scale_rows: the rows of
+    the scales output's layout when not x's (the sequence-parallel kernel that writes the gathered
+    scales of all M rows)."""
     M, H = x.shape
     if has_residual:
         if residual_out is None:
@@ -203,10 +206,11 @@ def allocate_outputs(x: Tensor, spec: Optional[QuantSpec], has_residual: bool, w
                      else x.new_empty(shape, dtype=dtype))
         elif check_given:
             _check_given("q_out", q_out, x, q_shape(spec, M, H), q_dtype(spec))
-        geo = scales_geometry(spec, M, H)
+        S = M if scale_rows < 0 else scale_rows
+        geo = scales_geometry(spec, S, H)
         if geo is not None:
             if scales_out is None:
-                scales_out = empty_scales(spec, M, H, x.device)
+                scales_out = empty_scales(spec, S, H, x.device)
             elif (scales_out.shape, scales_out.stride(), scales_out.dtype) != geo or \
                     scales_out.device != x.device:
                 raise ValueError(f"scales_out must have shape {geo[0]}, strides {geo[1]}, dtype {geo[2]} "

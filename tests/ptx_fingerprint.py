@@ -86,8 +86,8 @@ ALLREDUCE = [
     ("rsgather", 2, "bfloat16", 4096, "nvfp4l", True, False, False, False, True, 0, "pipelined-2"),
     ("rsgather", 2, "bfloat16", 8192, "fp8", True, False, False, False, True, 0, "pipelined-g4"),
     ("rsgather", 8, "float16", 4096, "pg128", False, True, False, False, True, 0),
-    # NOTE [swizzled scales gathered]: swizzled block scales pushed word by word (16-byte units,
-    # 4-byte units at H 2880, ue8m0 at world 4) and stored at their swizzled places
+    # NOTE [swizzled scales gathered]: swizzled block scales of the whole output, pushed word by
+    # word (16-byte units, 4-byte units at H 2880, ue8m0 at world 4), stored at their places
     ("rsgather", 2, "bfloat16", 4096, "nvfp4s", True, False, False, False, True, 0),
     ("rsgather", 2, "bfloat16", 8192, "nvfp4s", True, False, False, False, True, 0, "pipelined-g2"),
     ("rsgather", 4, "bfloat16", 2880, "nvfp4s", True, False, True, False, True, 0, "pipelined"),

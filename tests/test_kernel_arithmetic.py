@@ -224,23 +224,34 @@ def test_block_amax_lane_exchange(monkeypatch, lanes):
             group *= 2
 
 
-@pytest.mark.parametrize("world, S, K", [(2, 128, 4), (2, 1024, 256), (4, 256, 180), (8, 128, 512)])
-def test_gathered_swizzled_scale_words(world, S, K):
-    """NOTE [swizzled scales gathered] in kernels/reducescatter.py, as the kernel addresses it:
-    each shard (S whole tiles) reads its rows' words at swizzled_offset(i, 4w, K) of its own view,
-    sends them as linear rows, and every rank stores word w of row s * S + i at the full output's
-    start (its view's start less rank * S * K bytes) + swizzled_offset(s * S + i, 4w, K): the full
-    output is then to_swizzled of the rows in order."""
-    M, kw = world * S, K // 4
-    linear = torch.randint(0, 1 << 30, (M, kw), dtype=torch.int64)  # a word per 4 blocks
-    full = torch.full((M * K // 4,), -1, dtype=torch.int64)  # a word per slot, poisoned
-    i = torch.arange(S).view(S, 1).expand(S, kw)
-    w = torch.arange(kw).view(1, kw).expand(S, kw)
-    for rank in range(world):
-        view = torch.full((S * K // 4,), -1, dtype=torch.int64)  # the epilogue's swizzled shard
-        view[swizzled_offset(i, 4 * w, K) // 4] = linear[rank * S:(rank + 1) * S]
-        sent = view[swizzled_offset(i, 4 * w, K) // 4]  # the push's loads: the linear rows
-        start = rank * S * K  # the view's start in the full output (bytes)
-        full[(start - rank * S * K + swizzled_offset(rank * S + i, 4 * w, K)) // 4] = sent
+@pytest.mark.parametrize("world, M, K", [(2, 256, 4), (2, 2048, 256), (4, 1000, 180),
+                                         (8, 129, 512), (2, 3, 8), (4, 4099, 16)])
+def test_gathered_swizzled_scale_words(world, M, K):
+    """NOTE [swizzled scales gathered] in kernels/reducescatter.py, as the kernel addresses it, for
+    shards of whole tiles or not: on every rank the epilogue writes row i of its shard at global row
+    rank * S + i of the full output, the push reads those words back as the row's linear words,
+    and the copy-out stores word w of another shard's row s * S + i at swizzled_offset(s * S + i,
+    4w, K); padding words of rows past M are zeroed. Each rank's full output is then to_swizzled of
+    the rows in order, every word written exactly once."""
+    S, kw = -(-M // world), K // 4
+    Mp = -(-M // 128) * 128
+    linear = torch.randint(1, 1 << 30, (M, kw), dtype=torch.int64)  # a word per 4 blocks
     want = to_swizzled(linear.repeat_interleave(4, 1))[:, ::4].flatten()  # each word once
-    assert torch.equal(full, want)
+    for rank in range(world):
+        full = torch.full((Mp * kw,), -1, dtype=torch.int64)  # this rank's output, poisoned
+        writes = torch.zeros(Mp * kw, dtype=torch.int64)
+        for s in range(world):
+            rows = torch.arange(s * S, min(M, (s + 1) * S))
+            r, w = rows.view(-1, 1).expand(-1, kw), torch.arange(kw).view(1, kw).expand(len(rows), kw)
+            at = swizzled_offset(r, 4 * w, K) // 4
+            if s == rank:  # the epilogue's stores; the push reads the same words back
+                full[at] = linear[rows]
+                assert torch.equal(full[at], linear[rows])
+            else:  # the copy-out's stores of the pushed linear rows
+                full[at] = linear[rows]
+            writes[at] += 1
+        pad = torch.arange(kw * Mp)
+        pad = pad[swizzled_word_row(pad % (kw * 128)) + pad // (kw * 128) * 128 >= M]
+        full[pad] = 0  # store_padding_words
+        writes[pad] += 1
+        assert torch.equal(full, want) and bool((writes == 1).all())

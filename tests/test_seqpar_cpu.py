@@ -294,7 +294,7 @@ def test_scales_pushed_with_q_where_their_rows_fit(monkeypatch):
     """NOTE [gathered scales] / [gather in the epilogue]: with gather=True in one launch, scales
     whose row-major linear rows are whole 4-byte units go with q (the kernel's spec then has
     linear scales, written into the gathered tensor: per-token's too; with gather_by
-    "epilogue-swizzled" swizzled ones stay swizzled when every shard is whole 128-row tiles:
+    "epilogue-swizzled" swizzled ones stay swizzled, the kernel laying out the whole output:
     NOTE [swizzled scales gathered]); scales of other rows
     (MXFP4 at H = 2880: 90 bytes) leave q to the kernel and keep their own rule; a spec whose rows would be
     pushed but do not fit the q area leaves everything to the row gather (its kernel would push
@@ -315,15 +315,17 @@ def test_scales_pushed_with_q_where_their_rows_fit(monkeypatch):
     big = _fake_workspace(p2p_ok=True, world_size=world, buffer_bytes=256 << 20)
     x = _FakeRows(M, H)
     assert _kernel_gathers(big, x, nvfp4, True, True) == (S, linear_spec(nvfp4), True, True, True)
-    # gather_by "epilogue-swizzled": swizzled scales stay swizzled for shards of whole 128-row
-    # tiles, else go linear
+    # gather_by "epilogue-swizzled": swizzled scales stay swizzled (the kernel lays out the whole
+    # output), shards of whole 128-row tiles or not; other layouts as before
     state_of(big).tuning = dataclasses.replace(state_of(big).tuning, gather_by="epilogue-swizzled")
     assert _kernel_gathers(big, x, nvfp4, True, True) == (S, nvfp4, True, True, True)
     assert _kernel_gathers(big, _FakeRows(2 * 200, H), nvfp4, True, True) == (
-        200, linear_spec(nvfp4), True, True, True)
+        200, nvfp4, True, True, True)
     assert _kernel_gathers(big, _FakeRows(2 * S + 1, H), nvfp4, True, True)[1:] == (
-        linear_spec(nvfp4), True, True, True)
+        nvfp4, True, True, True)
     assert _kernel_gathers(big, x, per_token, True, True) == (S, per_token, True, True, True)
+    assert _kernel_gathers(big, _FakeRows(2 * 200, 2880), mxfp4, True, True) == (  # 90-byte rows
+        200, linear_spec(mxfp4), True, False, False)
     state_of(big).tuning = dataclasses.replace(state_of(big).tuning, gather_by="epilogue")
     assert _kernel_gathers(big, x, per_token, True, True) == (S, per_token, True, True, True)
     assert _kernel_gathers(big, x, nvfp4, False, True) == (S, nvfp4, False, False, False)

@@ -130,6 +130,9 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
     S = -(-M // world)
     chunk, kspec, q_gathered, s_gathered, in_place = _kernel_gathers(workspace, x2, spec,
                                                                      gather, has_scales)
+    # the kernel writes its rows of each gathered output (views of them), or the whole scales
+    # output when it lays them out itself (NOTE [swizzled scales gathered])
+    whole = s_gathered and _swizzled_by_kernel(kspec)
     if chunk:
         if gather:
             if want_y:
@@ -138,11 +141,12 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
                 full["q"] = torch.empty(q_shape(spec, world * S, H), dtype=q_dtype(spec),
                                         device=x2.device)
             if in_place:
-                full["scales"] = empty_scales(kspec, world * S, H, x2.device)
+                full["scales"] = empty_scales(kspec, M if whole else world * S, H, x2.device)
+        views = {k: t if k == "scales" and whole else t[rank * S:rank * S + local]
+                 for k, t in full.items()}
         out = _shard_by_kernel(workspace, x2, residual, weight, eps, kspec, scale, global_scale,
-                               gemma, want_y, local,
-                               {k: t[rank * S:rank * S + local] for k, t in full.items()}, chunk,
-                               "rsgather" if q_gathered else "reducescatter")
+                               gemma, want_y, local, views, chunk,
+                               "rsgather" if q_gathered else "reducescatter", M if whole else local)
         shard_scales = out.scales if has_scales and gather else None  # in kspec's layout
     else:
         out = slice_epilogue(reduce_rows(x2, group), x2.dtype, residual, weight, eps, spec, scale,
@@ -159,7 +163,7 @@ def _run(x2, residual, weight, eps, spec, scale, global_scale, gemma, norm_out, 
         got["q"] = full["q"][:M]
     s = out.scales
     if s_gathered:  # the kernel gathered them: in spec's layout, or row-major linear
-        s = full["scales"][:M] if kspec == spec else _in_layout(full["scales"][:M], spec, M, H)
+        s = full["scales"] if whole else _in_layout(full["scales"][:M], spec, M, H)
     elif has_scales:
         s = got["scales"] if "scales" in full else _in_layout(got["scales"], spec, M, H)
     return NormQuantOutput(out.residual, got.get("y"), got.get("q"),
@@ -172,9 +176,9 @@ def _kernel_gathers(ws: Workspace, x2: Tensor, spec: Optional[QuantSpec], gather
     scales gathered by it, scales written into the gathered tensor's rows). NOTE [gathered
     scales]: scales to gather are written by the kernel straight into their rows of the full
     output: pushed with q in one launch when their row-major linear rows are whole 4-byte units
-    (in spec's layout when that is row-major, or swizzled for shards of whole tiles under
-    gather_by "epilogue-swizzled": NOTE [swizzled scales gathered] in kernels/reducescatter.py;
-    else put in spec's layout once, after the kernel), else in spec's layout where it allows
+    (in spec's layout when that is row-major, or swizzled, as the whole output, under gather_by
+    "epilogue-swizzled": NOTE [swizzled scales gathered] in kernels/reducescatter.py; else put
+    in spec's layout once, after the kernel), else in spec's layout where it allows
     (_scales_in_place), else row-major and linear, as the row gather takes them, and put in spec's
     layout once, after it. Every rank computes it from the same call and workspace."""
     M, H = x2.shape
@@ -191,12 +195,20 @@ def _kernel_gathers(ws: Workspace, x2: Tensor, spec: Optional[QuantSpec], gather
     if pushed and _q_in_epilogue(ws, spec, M, H, pushed):
         from distnorm.collectives.state import state_of
 
-        # NOTE [swizzled scales gathered]: those of whole-tile shards may stay swizzled
-        swizzled = in_place and state_of(ws).tuning.gather_by == "epilogue-swizzled"
+        # NOTE [swizzled scales gathered]: swizzled scales may be laid out by the kernel
+        swizzled = _swizzled_by_kernel(spec) and \
+            state_of(ws).tuning.gather_by == "epilogue-swizzled"
         return chunk, spec if swizzled else linear_spec(spec), True, True, True
     # the kernel of a spec with pushed scale rows always pushes them: none unless they fit
     q_gathered = not pushed and _q_in_epilogue(ws, spec, M, H)
     return chunk, kspec, q_gathered, False, in_place
+
+
+def _swizzled_by_kernel(kspec: Optional[QuantSpec]) -> bool:
+    """Whether a kernel that gathers kspec's scales (s_gathered) writes them as the full output,
+    swizzled (NOTE [swizzled scales gathered] in kernels/reducescatter.py), rather than into the
+    shard's rows of a row-major tensor."""
+    return kspec is not None and kspec.block_scaled and kspec.swizzled
 
 
 def _scales_in_place(spec: QuantSpec, M: int, S: int, world: int) -> bool:
@@ -339,19 +351,21 @@ def _q_in_epilogue(ws: Workspace, spec: QuantSpec, M: int, H: int,
 
 def _shard_by_kernel(ws: Workspace, x: Tensor, residual, weight, eps, spec, scale, global_scale,
                      gemma, want_y, local, given: dict, chunk: int,
-                     algo: str = "reducescatter") -> NormQuantOutput:
+                     algo: str = "reducescatter", scale_rows: int = -1) -> NormQuantOutput:
     """The reduce-scatter kernel: shard outputs, scales in spec's layout for the shard's rows;
     given: "y" / "q" / "scales" outputs to write (the shard's rows of the gathered tensors; NOTE
     [gathered scales] for when scales are among them); chunk: shard rows
     per launch (NOTE [reduce-scatter chunks]); algo "rsgather" (one launch) also fills the rest of
-    q's gathered tensor (given["q"] is a view of it)."""
+    q's gathered tensor (given["q"] is a view of it); scale_rows: the rows of the scales' layout
+    (default `local`; M when given["scales"] is the whole gathered output, NOTE [swizzled scales
+    gathered])."""
     from distnorm.collectives.dispatch import _rows, _scale_rows
     from distnorm.collectives.state import state_of
 
     state = state_of(ws)
     residual_out, y_out, q_out, scales_out = allocate_outputs(
         x[:local], spec, residual is not None, want_y, None, given.get("y"), given.get("q"),
-        given.get("scales"))
+        given.get("scales"), scale_rows=scale_rows)
     if chunk >= local:
         _launch_scatter(ws, state, x, residual, residual_out, weight, y_out, q_out, scales_out,
                         spec, scale, global_scale, gemma, eps, algo)
@@ -377,12 +391,6 @@ def _launch_scatter(ws: Workspace, state, x: Tensor, residual, residual_out, wei
     from distnorm.kernels.compile_allreduce import compiled_allreduce
 
     kspec = kernel_spec(spec)
-    if algo == "rsgather" and kspec is not None and kspec.swizzled and \
-            pushed_scale_row_bytes(kspec, x.shape[1]):
-        S = x.shape[0] // ws.world_size  # NOTE [swizzled scales gathered]: whole-tile shards only
-        if x.shape[0] != ws.world_size * S or S % 128:
-            raise RuntimeError(f"distnorm internal: rsgather with swizzled scales needs shards of "
-                               f"whole 128-row tiles, got M={x.shape[0]} over {ws.world_size} ranks")
     key = allreduce_kernel_key(algo, ws.world_size, x.dtype, x.shape[1], spec, residual is not None,
                                gemma, y_out is not None, False, state.tuning,
                                x.numel() * x.element_size())

@@ -357,7 +357,7 @@ class NormQuantCore(BlockScales, SplitParts):
     @cute.jit
     def epilogue(self, rH, row: Int32, row_valid, scale_valid, lane: Int32, row_in_cta: Int32,
                  eps: Float32, mW, mY, mQ, mS, static_inv: Float32, global_scale: Float32, bufs,
-                 rW=None, part=None):
+                 rW=None, part=None, scale_row=None):
         """rH: float32 register fragment [vecs_per_thread * 8] of h for row thread `lane`'s
         vectors (lane: the thread's index among the row's row_threads, cluster-wide).
         rW: this thread's weight vectors (load_weight), when the caller loaded them early; else
@@ -369,6 +369,8 @@ class NormQuantCore(BlockScales, SplitParts):
         only scales; threads past both store nothing.
         All threads of the CTA must call this (it synchronizes).
         part: this CTA's part of a split row (NOTE [split rows]); None: it stores everything.
+        scale_row: the row of mS that holds this row's block scales (default `row`: a gathered
+        output's rows sit elsewhere, NOTE [swizzled scales gathered] in kernels/reducescatter.py).
         """
         t = self.t
         # a split part makes only its own vectors' y (NOTE [compact parts]), but every y when the
@@ -405,7 +407,7 @@ class NormQuantCore(BlockScales, SplitParts):
                                None, cols)
         if const_expr(self.q.info.scales != "none"):
             self._quantize(rY, cols, row, row_valid, scale_valid, lane, row_in_cta, mQ, mS,
-                           static_inv, global_scale, bufs, part, row_amax)
+                           static_inv, global_scale, bufs, part, row_amax, scale_row)
 
     @cute.jit
     def _row_amax(self, rY, cols: list, bufs, row_in_cta: Int32, lane: Int32) -> Float32:
@@ -423,11 +425,13 @@ class NormQuantCore(BlockScales, SplitParts):
     @cute.jit
     def _quantize(self, rY, cols: list, row: Int32, row_valid, scale_valid, lane: Int32,
                   row_in_cta: Int32, mQ, mS, static_inv: Float32, global_scale: Float32, bufs,
-                  part=None, row_amax=None):
+                  part=None, row_amax=None, scale_row=None):
         """q and scales of the y vectors rY of columns `cols` (part_columns). row_amax: the
-        per-token amax when the caller reduced it already (a split row: epilogue)."""
+        per-token amax when the caller reduced it already (a split row: epilogue); scale_row:
+        the block scales' row of mS (epilogue)."""
         t = self.t
         q = self.q
+        srow = row if scale_row is None else scale_row
         # the row as int32 words (4 fp8 codes or 8 fp4 codes each; the host passes q unviewed)
         tQ = cute.recast_tensor(mQ[row, None], Int32)
         if const_expr(not q.packed_fp4):
@@ -454,7 +458,7 @@ class NormQuantCore(BlockScales, SplitParts):
             runs_per_column = t.row_threads // lanes // 4 if (t.row_threads // lanes) % 4 == 0 else 0
             offset0 = None
             if const_expr(q.swizzled and runs_per_column > 0):
-                offset0 = swizzled_offset(row, lane // lanes, t.hidden // q.group_size)
+                offset0 = swizzled_offset(srow, lane // lanes, t.hidden // q.group_size)
             for g in cutlass.range_constexpr(len(cols) // group):
                 k0 = g * group
                 # NOTE [one scale per lane] in block_scales.py
@@ -471,12 +475,12 @@ class NormQuantCore(BlockScales, SplitParts):
                             offset = None
                             if const_expr(offset0 is not None):
                                 offset = offset0 + cols[kb] * runs_per_column * 512
-                            self._store_scale(mS, row, blk, stored, offset)
+                            self._store_scale(mS, srow, blk, stored, offset)
                         if row_valid:
                             self._store_q(rY, kb, inv_k, tQ, vk)
             if const_expr(q.swizzled):
                 if lane == 0 and scale_valid and self._mine(0, part):
-                    self._zero_padding_columns(mS, row)
+                    self._zero_padding_columns(mS, srow)
 
     @cute.jit
     def _store_q_columns(self, rY, cols: list, inv: Float32, tQ, lane: Int32, row_valid):

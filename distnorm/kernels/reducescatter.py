@@ -53,17 +53,18 @@ gathered after the kernel. Same bytes as the row gather: bitwise. The copies' lo
 their stores (NOTE [batched copies]).
 
 NOTE [swizzled scales gathered]: 128x4-swizzled block scales whose rows are whole 4-byte words
-(formats.pushed_scale_row_bytes) go the same way when every shard is whole 128-row tiles (S %
-128 == 0 and M = N * S: the host's _scales_in_place in collectives/seqpar.py, the only calls
-that launch "rsgather" with swizzled scales). The epilogue writes my shard's scales swizzled into
-my tiles of the full output (a contiguous run of tiles: my shard's view), the push reads each of
-my rows back word by word (a row's blocks 4b .. 4b + 3 are one word) and sends it as a linear row,
-and the copy-out stores each word of the other shards' linear rows at its swizzled place in the
-full output (offsets from the full output's start: my view's start less rank * S * K bytes). The
-host then has nothing to lay out: before, a permuted copy after the kernel (formats.swizzle_into:
-2.4 us at 2048 x 256 scales, 4.9 at 8192 x 256, 7.9 at 16384 x 256 on one H200, in 4-byte words;
-1.4-1.9x that in bytes, as it ran before, benchmarks/results/swizzle_into_h200.md). Same bytes, the
-same places: bitwise.
+(formats.pushed_scale_row_bytes) go the same way (Tuning.gather_by "epilogue-swizzled"), and the
+kernel lays them out itself: its scales tensor is the full output (M rows' tiles, not the shard's
+rows), the epilogue writes row i's scales at row rank * S + i (its scale_row), the push reads each
+of my rows back word by word (a row's blocks 4b .. 4b + 3 are one word) and sends it as a linear
+row, the copy-out stores each word of the other shards' linear rows at its swizzled place, and
+every rank zeroes the padding words of rows M .. round_up(M, 128) of its own full output (NOTE
+[padding words]). Shards need not be whole tiles: every store names its global row, and a word
+holds one row's blocks, so no two writers share one. The host then has nothing to lay out:
+before, the scales went linear and a permuted copy followed the kernel (formats.swizzle_into:
+2.4 us at 2048 x 256 scales, 4.9 at 8192 x 256, 7.9 at 16384 x 256 on one H200; more at row
+counts off whole tiles, benchmarks/results/swizzle_into_h200.md). Same bytes, the same places:
+bitwise.
 
 NOTE [copy-out by rounds]: the pipelined form copies round r's gathered rows out right after the
 barrier that follows round r (it orders every peer's q pushes of the round before it), while the
@@ -140,6 +141,8 @@ class ReduceScatter:
             pad_from = local  # a trailing rank's shard may be empty (local <= 0)
             if pad_from < Int32(0):
                 pad_from = Int32(0)
+            if const_expr(self.gather_scales):  # NOTE [swizzled scales gathered]: the full output's
+                pad_from = m
             self.core.store_padding_words(mS, pad_from, bidx * Int32(t.threads) + tidx,
                                           nblk * Int32(t.threads))
         bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
@@ -217,8 +220,13 @@ class ReduceScatter:
         row_valid = i < local
         self._reduce_row(rH, rR, rT, mX, mR, mRout, mAR, base, slot_elems, i,
                          rank * slice_rows + i, i, row_valid, rank, lane, dtype)
-        self.core.epilogue(rH, i, row_valid, i < rows, lane, row_in_cta, eps, mW, mY, mQ, mS,
-                           static_inv, global_scale, bufs, rW)
+        if const_expr(self.gather_scales and self.q.swizzled):
+            # NOTE [swizzled scales gathered]: the scales go to their row of the full output
+            self.core.epilogue(rH, i, row_valid, row_valid, lane, row_in_cta, eps, mW, mY, mQ, mS,
+                               static_inv, global_scale, bufs, rW, None, rank * slice_rows + i)
+        else:
+            self.core.epilogue(rH, i, row_valid, i < rows, lane, row_in_cta, eps, mW, mY, mQ, mS,
+                               static_inv, global_scale, bufs, rW)
         cute.arch.barrier()  # shared-memory partials are reused by the next row; q rows visible
         if const_expr(self.gather_q):
             if row_valid:
@@ -233,7 +241,8 @@ class ReduceScatter:
                 loaded = []
                 for p in cutlass.range_constexpr(len(parts)):
                     if const_expr(p == 1 and self.q.swizzled):  # NOTE [swizzled scales gathered]
-                        loaded.append(self._swizzled_row_loads(s_base, i, lane))
+                        loaded.append(self._swizzled_row_loads(s_base, rank * slice_rows + i,
+                                                               lane))
                     else:
                         loaded.append(self._unit_loads(parts[p][0], lane, parts[p][2]))
                 for p in cutlass.range_constexpr(len(parts)):
@@ -312,10 +321,6 @@ class ReduceScatter:
         kinds = [(Int64(0), qrb, q_base, self.q_row_bytes)]
         if const_expr(self.gather_scales):
             kinds.append((self._scale_area(slice_rows), srb, s_base, self.s_row_bytes))
-        full_s = None
-        if const_expr(self.gather_scales and self.q.swizzled):
-            # NOTE [swizzled scales gathered]: my view starts rank * S rows (whole tiles) in
-            full_s = s_base - Int64(rank) * Int64(slice_rows) * srb
         for g in range(bidx, groups, nblk):
             i = g * self.t.rows_per_cta + row_in_cta
             # NOTE [batched copies]: COPY_BATCH shards' rows loaded, then stored
@@ -341,6 +346,6 @@ class ReduceScatter:
                         u = lane + Int32(k * self.t.threads_per_row)
                         if oks[c] & (u < Int32(units)):
                             if const_expr(c % len(kinds) == 1 and self.q.swizzled):
-                                self._swizzled_unit_store(full_s, rows[c], u, unit, loaded[c][k])
+                                self._swizzled_unit_store(s_base, rows[c], u, unit, loaded[c][k])
                             else:
                                 _unit_store(dsts[c][0] + Int64(u) * Int64(unit), loaded[c][k])

@@ -254,7 +254,8 @@ def test_nccl_path_bitwise_the_peer_kernels():
 
 
 # uneven shards, 128-row scale tiles crossed; 512: whole tiles per shard at 2 and 4 ranks (swizzled
-# scales gathered in place, seqpar's NOTE [gathered scales])
+# scales gathered in place, seqpar's NOTE [gathered scales]; every M with gather_by
+# "epilogue-swizzled": NOTE [swizzled scales gathered])
 SEQPAR_ROWS = (0, 1, 3, 127, 128, 129, 512, 4099)
 SEQPAR_BUFFER = 128 << 20  # the peer workspace of _body_seqpar_rows
 
@@ -359,9 +360,8 @@ def _body_seqpar_rows() -> None:
                                    and quant is not None and last_shard > 0)
                     expect((state.epilogue_gathers > fused) == in_epilogue,
                            f"{tag}: {state.epilogue_gathers - fused} reduce-scatters gathered q")
-                    # NOTE [swizzled scales gathered]: shards of whole tiles need no layout after
-                    whole_tiles = M % peer.world_size == 0 and (M // peer.world_size) % 128 == 0
-                    if in_epilogue and whole_tiles and quant == "nvfp4":
+                    # NOTE [swizzled scales gathered]: the kernel lays them out, or the host after
+                    if in_epilogue and quant == "nvfp4":
                         swizzled = gather_by == "epilogue-swizzled"
                         expect((layouts[0] == laid_out) == swizzled,
                                f"{tag}: scales laid out after the kernel {layouts[0] - laid_out} "

@@ -301,9 +301,10 @@ TUNING_FORMS = {algo: ((AUTO_FORM,) + forms if algo in SIZED_FORMS else forms)
 # epilogue] in kernels/reducescatter.py, the rest as "peers"; NOT yet measured against "peers"), "peers"
 # (the row gather kernel), "nccl". The peers beat NCCL's all_gather at every size measured on 2 x
 # H200 (FP8 at 512 x 8192 35.4 vs 46.5 us, 16384 x 8192 796 vs 806: seqpar_h200_x2.md).
-# "epilogue-swizzled": "epilogue", and 128x4-swizzled block scales of whole-tile shards pushed from
-# it and stored swizzled (NOTE [swizzled scales gathered]) instead of linear and laid out after
-# the kernel; not yet run on GPUs, so not the default.
+# "epilogue-swizzled": "epilogue", and 128x4-swizzled block scales laid out by the kernel (NOTE
+# [swizzled scales gathered]) instead of pushed linear and laid out after it; not the default: on
+# 2 x H200 gathered NVFP4 at 128 x 4096 10.9 us against 12.5, 512 x 4096 17.8 against 18.9, but
+# 512 x 8192 29.2 against 27.4 and 2048 x 8192 102.6 against 86.3 (seqpar_swz_h200_x2.md).
 GATHER_BY = ("epilogue", "peers", "nccl", "epilogue-swizzled")
 # DISTNORM_NOPEER_FORM (collectives/nopeer.py, NOTE [no-peer forms]): "auto" (by byte count, the
 # default) or a forced form

@@ -64,7 +64,12 @@ holds one row's blocks, so no two writers share one. The host then has nothing t
 before, the scales went linear and a permuted copy followed the kernel (formats.swizzle_into:
 2.4 us at 2048 x 256 scales, 4.9 at 8192 x 256, 7.9 at 16384 x 256 on one H200; more at row
 counts off whole tiles, benchmarks/results/swizzle_into_h200.md). Same bytes, the same places:
-bitwise.
+bitwise. Measured on 2 x H200 (benchmarks/results/seqpar_swz_h200_x2.md): faster where the copy
+after the kernel is most of the difference (gathered NVFP4 128 x 4096 10.9 us against 12.5, 128 x
+8192 12.6 against 14.3, 512 x 4096 17.8 against 18.9), slower from 8 MiB of x (512 x 8192 29.2
+against 27.4, 2048 x 4096 53.8 against 47.0, 2048 x 8192 102.6 against 86.3, and 3-7 us at 8192
+rows, where the copy-out runs by rounds). Not found yet why (the PTX has no spills and a few more
+4-byte loads and stores per row); so it is opt-in.
 
 NOTE [copy-out by rounds]: the pipelined form copies round r's gathered rows out right after the
 barrier that follows round r (it orders every peer's q pushes of the round before it), while the

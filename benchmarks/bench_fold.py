@@ -14,7 +14,6 @@ that at least 256 MB are touched per round (the inputs do not sit in the 50 MB L
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -22,7 +21,7 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 
 import torch  # noqa: E402
-from common import time_graph_us  # noqa: E402
+from common import time_graph_us, write_table  # noqa: E402
 
 from distnorm.args import allocate_outputs  # noqa: E402
 from distnorm.collectives.nopeer import fold_epilogue  # noqa: E402
@@ -85,12 +84,7 @@ def main() -> None:
         lines.append(f"| {r['N']} | {r['M']} | {r['H']} | {r['sets']} | {r['torch+kernel']:.2f} | "
                      f"{r['slots']:.2f} | {r['torch+kernel'] / r['slots']:.2f}x | "
                      f"{r['slots TB/s']:.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    with open(args.out + ".md", "w") as f:
-        f.write(text)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"device": dev, "command": cmd, "rows": rows}, f, indent=1)
+    write_table(args.out, "\n".join(lines) + "\n", {"device": dev, "command": cmd, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ CUDA graph of 20 calls (common.time_graph_us), median; the scales (0.5-16 MB) st
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -22,7 +21,7 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 
 import torch  # noqa: E402
-from common import time_graph_us  # noqa: E402
+from common import time_graph_us, write_table  # noqa: E402
 
 from distnorm.formats import swizzle_into, to_swizzled  # noqa: E402
 
@@ -64,12 +63,7 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['M']} | {r['K']} | {r['MB']:.2f} | {r['bytes']:.2f} | "
                      f"{r['words']:.2f} | {r['bytes'] / r['words']:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    with open(args.out + ".md", "w") as f:
-        f.write(text)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"device": dev, "command": cmd, "rows": rows}, f, indent=1)
+    write_table(args.out, "\n".join(lines) + "\n", {"device": dev, "command": cmd, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -59,6 +59,18 @@ def time_graph_us(fn: Callable[[], object], calls_per_graph: int = 20, repeats: 
 _SLEEP_CYCLES = 4_000_000
 
 
+def write_table(out: str, text: str, record: dict) -> None:
+    """Print the markdown table `text` and write it to <out>.md, `record` to <out>.json (the
+    single-GPU benchmarks' results: device, command, rows)."""
+    import json
+
+    print(text)
+    with open(out + ".md", "w") as f:
+        f.write(text)
+    with open(out + ".json", "w") as f:
+        json.dump(record, f, indent=1)
+
+
 def copy_bandwidth_tbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth (bytes read + written) in TB/s, by an SM copy kernel.
 

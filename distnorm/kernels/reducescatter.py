@@ -69,7 +69,12 @@ after the kernel is most of the difference (gathered NVFP4 128 x 4096 10.9 us ag
 8192 12.6 against 14.3, 512 x 4096 17.8 against 18.9), slower from 8 MiB of x (512 x 8192 29.2
 against 27.4, 2048 x 4096 53.8 against 47.0, 2048 x 8192 102.6 against 86.3, and 3-7 us at 8192
 rows, where the copy-out runs by rounds). Not found yet why (the PTX has no spills and a few more
-4-byte loads and stores per row); so it is opt-in.
+4-byte loads and stores per row); so it is opt-in. The loss, ~0.035 us per KiB of the shard's
+scales whatever the shape (about one L2 round trip per 4-byte warp access, as if each waited for
+the last), points at the volatile word accesses, four per 16-byte unit where the linear path has
+one: after fec335f the words are read with weak loads (a word holds one row's blocks, all
+stored by this CTA's epilogue before its barrier: the plain write / __syncthreads / read pattern)
+and stored with weak stores (read after the kernel). Not yet measured.
 
 NOTE [copy-out by rounds]: the pipelined form copies round r's gathered rows out right after the
 barrier that follows round r (it orders every peer's q pushes of the round before it), while the
@@ -92,8 +97,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 # absolute imports: the 4.3.5 DSL preprocessor needs them
 from distnorm.formats import swizzled_offset
-from distnorm.kernels.sync import (ld_volatile_sys_u32, ld_volatile_sys_v4_u32,
-                                  st_volatile_sys_v4_u32, st_volatile_u32)
+from distnorm.kernels.sync import (ld_volatile_sys_u32, ld_volatile_sys_v4_u32, ld_weak_u32,
+                                  st_volatile_sys_v4_u32, st_volatile_u32, st_weak_u32)
 
 __all__ = ["ReduceScatter", "RS_FORM_ROUNDS", "RS_ALGOS", "COPY_BATCH"]
 
@@ -266,7 +271,7 @@ class ReduceScatter:
         places in the 128x4-swizzled full output at full_s (NOTE [swizzled scales gathered])."""
         k_blocks = self.t.hidden // self.q.group_size
         for j in range(unit // 4):
-            st_volatile_u32(full_s + Int64(swizzled_offset(
+            st_weak_u32(full_s + Int64(swizzled_offset(
                 row, (u * Int32(unit // 4) + Int32(j)) * Int32(4), k_blocks)), val[j])
 
     def _scale_area(self, slice_rows: Int32) -> Int64:
@@ -308,7 +313,7 @@ class ReduceScatter:
             if units % self.t.threads_per_row:
                 u = u * Int32(u < Int32(units))
             vals.append(tuple(
-                ld_volatile_sys_u32(s_base + Int64(swizzled_offset(
+                ld_weak_u32(s_base + Int64(swizzled_offset(
                     row, (u * Int32(unit // 4) + Int32(j)) * Int32(4), k_blocks)))
                 for j in range(unit // 4)))
         return vals

@@ -9,6 +9,8 @@ one is a device function taking 64-bit generic/global addresses as ``Int64``):
     st_release_sys_u32(addr, v)                st.release.sys.global.u32
     st_relaxed_sys_u32(addr, v)                st.relaxed.sys.global.u32
     st_volatile_u32(addr, v)                   st.volatile.global.u32
+    ld_weak_u32(addr) -> Int32                 ld.global.u32 (weak)
+    st_weak_u32(addr, v)                       st.global.u32 (weak)
     atomic_cas_sys_u32(addr, cmp, v) -> Int32  atom.relaxed.sys.global.cas.b32 (returns the old value)
     atomic_add_gpu_u32(addr, v)                red.relaxed.gpu.global.add.u32
     atom_add_acq_rel_gpu_u32(addr, v) -> Int32 atom.acq_rel.gpu.global.add.u32 (returns the old value)
@@ -44,7 +46,8 @@ from distnorm.kernels.ptx import inline_asm, ir_i32, ir_i64
 
 __all__ = [
     "ld_acquire_sys_u32", "ld_relaxed_sys_u32", "ld_volatile_sys_u32", "st_release_sys_u32",
-    "st_relaxed_sys_u32", "st_volatile_u32", "atomic_cas_sys_u32", "atomic_add_gpu_u32",
+    "st_relaxed_sys_u32", "st_volatile_u32", "ld_weak_u32", "st_weak_u32", "atomic_cas_sys_u32",
+    "atomic_add_gpu_u32",
     "atom_add_acq_rel_gpu_u32", "fence_acq_rel_sys", "globaltimer_ns", "ld_volatile_sys_v4_u32",
     "st_volatile_sys_v4_u32", "ld_acquire_sys_u32x2", "st_release_sys_u32x2", "cta_barrier",
     "record_timeout", "record_mismatch", "gave_up", "must_stop", "barrier_or", "SPIN_CHECK_MASK",
@@ -81,6 +84,10 @@ ld_volatile_sys_u32 = _load_u32("ld.volatile.global.u32 $0, [$1];")
 st_release_sys_u32 = _store_u32("st.release.sys.global.u32 [$0], $1;")
 st_relaxed_sys_u32 = _store_u32("st.relaxed.sys.global.u32 [$0], $1;")
 st_volatile_u32 = _store_u32("st.volatile.global.u32 [$0], $1;")
+# weak: for a CTA's own data after a CTA barrier, and for stores read after the kernel (NOTE
+# [swizzled scales gathered] in kernels/reducescatter.py)
+ld_weak_u32 = _load_u32("ld.global.u32 $0, [$1];")
+st_weak_u32 = _store_u32("st.global.u32 [$0], $1;")
 # fire-and-forget atomic add at GPU scope (counters read by the host after synchronize)
 atomic_add_gpu_u32 = _store_u32("red.relaxed.gpu.global.add.u32 [$0], $1;")
 

@@ -335,7 +335,7 @@ class ReduceScatter:
             i = g * self.t.rows_per_cta + row_in_cta
             # NOTE [batched copies]: COPY_BATCH shards' rows loaded, then stored
             for s0 in cutlass.range_constexpr(0, self.world, COPY_BATCH):
-                oks, dsts, loaded, rows = [], [], [], []
+                oks, dsts, loaded, global_rows = [], [], [], []
                 for s in cutlass.range_constexpr(s0, min(self.world, s0 + COPY_BATCH)):
                     rows_s = m - Int32(s) * slice_rows  # shard s's rows
                     if rows_s > slice_rows:
@@ -347,7 +347,7 @@ class ReduceScatter:
                     for kd in cutlass.range_constexpr(len(kinds)):
                         area, rb, base, nbytes = kinds[kd]
                         oks.append(ok)
-                        rows.append(Int32(s) * slice_rows + i)
+                        global_rows.append(Int32(s) * slice_rows + i)
                         dsts.append((base + mine * rb, nbytes))
                         loaded.append(self._unit_loads(own + area + read * rb, lane, nbytes))
                 for c in cutlass.range_constexpr(len(oks)):
@@ -356,6 +356,7 @@ class ReduceScatter:
                         u = lane + Int32(k * self.t.threads_per_row)
                         if oks[c] & (u < Int32(units)):
                             if const_expr(c % len(kinds) == 1 and self.q.swizzled):
-                                self._swizzled_unit_store(s_base, rows[c], u, unit, loaded[c][k])
+                                self._swizzled_unit_store(s_base, global_rows[c], u, unit,
+                                                          loaded[c][k])
                             else:
                                 _unit_store(dsts[c][0] + Int64(u) * Int64(unit), loaded[c][k])

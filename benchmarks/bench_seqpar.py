@@ -6,9 +6,9 @@ gathered for the next GEMM, side by side in one run with the unfused chain and a
                         kernels/rowgather.py), in the forms the defaults pick by size (NOTE
                         [sized forms] in collectives/plan.py); _serial: the first forms forced
     dn_rs_<fmt>_gather_nccl  the same, gathered by NCCL all_gather (Tuning.gather_by = "nccl")
-    dn_rs_nvfp4_gather_swz  the same, block scales of whole-tile shards stored swizzled by the
-                        kernel (gather_by "epilogue-swizzled": NOTE [swizzled scales gathered]
-                        in kernels/reducescatter.py); _g2_swz: in the "pipelined-g2" form
+    dn_rs_nvfp4_gather_swz  the same, the block scales laid out (swizzled) by the kernel
+                        (gather_by "epilogue-swizzled": NOTE [swizzled scales gathered] in
+                        kernels/reducescatter.py); _g2_swz: in the "pipelined-g2" form
     dn_rs_<fmt>_gather_pipe  the same, the reduce-scatter in its "pipelined" form
                         (Tuning.reducescatter_form; NOTE [reduce-scatter rounds]); _pipe8 / _pipe16
                         / _pipe32 / _pipe2: its "pipelined-8" / -16 / -32 / -2 forms (up to 8 /

@@ -7,6 +7,7 @@ device. Bit tricks go through int32 views of float32 tensors, never through Pyth
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Tuple, Union
@@ -286,11 +287,13 @@ def pushed_scale_row_bytes(spec: Optional[QuantSpec], H: int) -> int:
     swizzled one holds a row's blocks 4b .. 4b + 3 in one 4-byte word (swizzled_offset), so a row
     of whole words is read word by word and pushed as its linear row (NOTE [swizzled scales
     gathered] in kernels/reducescatter.py)."""
+    if spec is not None and spec.block_scaled and spec.swizzled:
+        spec = dataclasses.replace(spec, sf_layout="linear")  # its rows' words, read as linear
     geo = scales_geometry(spec, 1, H)
     if geo is None or spec.col_major:
         return 0
-    _, _, dtype = geo
-    row_bytes = (1 if kernel_spec(spec).info.scales == "row" else H // spec.group_size) * dtype.itemsize
+    (_, k), _, dtype = geo
+    row_bytes = k * dtype.itemsize
     return row_bytes if row_bytes % 4 == 0 else 0
 
 

@@ -191,7 +191,7 @@ def _kernel_gathers(ws: Workspace, x2: Tensor, spec: Optional[QuantSpec], gather
         return chunk, kspec, False, False, in_place
     # one launch only: the kernel finds the gathered q from its shard's view at rank * S rows, and
     # a chunk's view sits at rank * S + its offset
-    pushed = pushed_scale_row_bytes(linear_spec(spec), H) if has_scales else 0
+    pushed = pushed_scale_row_bytes(spec, H) if has_scales else 0
     if pushed and _q_in_epilogue(ws, spec, M, H, pushed):
         from distnorm.collectives.state import state_of
 
@@ -338,7 +338,7 @@ def _q_in_epilogue(ws: Workspace, spec: QuantSpec, M: int, H: int,
     from distnorm.collectives.layout import lamport_split, push_half
     from distnorm.collectives.state import state_of
 
-    if not state_of(ws).tuning.gather_by.startswith("epilogue"):
+    if state_of(ws).tuning.gather_by not in ("epilogue", "epilogue-swizzled"):
         return False
     q_row_bytes = q_shape(spec, 1, H)[1]  # one byte per element or per two (packed fp4)
     general = lamport_split(ws.buffer_bytes)[0]

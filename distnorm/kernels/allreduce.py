@@ -124,6 +124,8 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
             assert self.q_row_bytes % 16 == 0, self.q_row_bytes
             self.s_row_bytes = pushed_scale_row_bytes(quant, tiling.hidden)
         self.gather_scales = self.s_row_bytes > 0
+        # NOTE [swizzled scales gathered]: the scales tensor is then the whole swizzled output
+        self.gather_swizzled = self.gather_scales and quant.swizzled
         # two-shot gathers T(acc) separately only when it differs from the gathered h
         self.gather_acc = write_allreduce and has_residual
         # signal-pad region: one-shot's / two-shot's barrier, lamport's call state

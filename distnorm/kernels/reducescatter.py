@@ -128,8 +128,8 @@ def _unit_store(addr: Int64, val: tuple) -> None:
 
 class ReduceScatter:
     """The reduce-scatter algorithms of AllReduceAddRMSNormQuant (which provides self.t, self.core,
-    self.world, self.rs_rounds, self.gather_q, self.gather_scales, self.q_row_bytes,
-    self.s_row_bytes, two-shot's _push_slices and the helpers of kernels/allreduce.py)."""
+    self.world, self.rs_rounds, self.gather_q, self.gather_scales, self.gather_swizzled,
+    self.q_row_bytes, self.s_row_bytes, two-shot's _push_slices and the helpers of kernels/allreduce.py)."""
 
     @cute.jit
     def _reducescatter(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
@@ -151,8 +151,8 @@ class ReduceScatter:
             pad_from = local  # a trailing rank's shard may be empty (local <= 0)
             if pad_from < Int32(0):
                 pad_from = Int32(0)
-            if const_expr(self.gather_scales):  # NOTE [swizzled scales gathered]: the full output's
-                pad_from = m
+            if const_expr(self.gather_swizzled):  # NOTE [swizzled scales gathered]: the full
+                pad_from = m  # output's padding rows
             self.core.store_padding_words(mS, pad_from, bidx * Int32(t.threads) + tidx,
                                           nblk * Int32(t.threads))
         bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
@@ -230,13 +230,14 @@ class ReduceScatter:
         row_valid = i < local
         self._reduce_row(rH, rR, rT, mX, mR, mRout, mAR, base, slot_elems, i,
                          rank * slice_rows + i, i, row_valid, rank, lane, dtype)
-        if const_expr(self.gather_scales and self.q.swizzled):
+        scale_valid = i < rows
+        scale_row = None
+        if const_expr(self.gather_swizzled):
             # NOTE [swizzled scales gathered]: the scales go to their row of the full output
-            self.core.epilogue(rH, i, row_valid, row_valid, lane, row_in_cta, eps, mW, mY, mQ, mS,
-                               static_inv, global_scale, bufs, rW, None, rank * slice_rows + i)
-        else:
-            self.core.epilogue(rH, i, row_valid, i < rows, lane, row_in_cta, eps, mW, mY, mQ, mS,
-                               static_inv, global_scale, bufs, rW)
+            scale_valid = row_valid
+            scale_row = rank * slice_rows + i
+        self.core.epilogue(rH, i, row_valid, scale_valid, lane, row_in_cta, eps, mW, mY, mQ, mS,
+                           static_inv, global_scale, bufs, rW, None, scale_row)
         cute.arch.barrier()  # shared-memory partials are reused by the next row; q rows visible
         if const_expr(self.gather_q):
             if row_valid:
@@ -250,7 +251,8 @@ class ReduceScatter:
                                   self.s_row_bytes))
                 loaded = []
                 for p in cutlass.range_constexpr(len(parts)):
-                    if const_expr(p == 1 and self.q.swizzled):  # NOTE [swizzled scales gathered]
+                    if const_expr(p == 1 and self.gather_swizzled):
+                        # NOTE [swizzled scales gathered]: read word by word
                         loaded.append(self._swizzled_row_loads(s_base, rank * slice_rows + i,
                                                                lane))
                     else:
@@ -269,10 +271,14 @@ class ReduceScatter:
                              val: tuple) -> None:
         """Store unit u of row `row`'s linear scales (val: its words) word by word at their
         places in the 128x4-swizzled full output at full_s (NOTE [swizzled scales gathered])."""
-        k_blocks = self.t.hidden // self.q.group_size
         for j in range(unit // 4):
-            st_weak_u32(full_s + Int64(swizzled_offset(
-                row, (u * Int32(unit // 4) + Int32(j)) * Int32(4), k_blocks)), val[j])
+            st_weak_u32(self._scale_word_addr(full_s, row, u, unit, j), val[j])
+
+    def _scale_word_addr(self, base: Int64, row: Int32, u: Int32, unit: int, j: int) -> Int64:
+        """Address of word j of unit u of row `row`'s linear scales (blocks 4w .. 4w + 3, w = u *
+        unit / 4 + j) in the 128x4-swizzled scales at base."""
+        w = u * Int32(unit // 4) + Int32(j)
+        return base + Int64(swizzled_offset(row, w * Int32(4), self.t.hidden // self.q.group_size))
 
     def _scale_area(self, slice_rows: Int32) -> Int64:
         """Byte offset of the gathered scale rows in a q area: after the world * S q rows."""
@@ -291,32 +297,33 @@ class ReduceScatter:
         copies]); a lane past the row's units loads unit 0 (its store is skipped). Volatile
         loads: they bypass L1, so they see what other threads of the CTA (the epilogue) and the
         peers (the pushes) stored."""
-        unit, units, per_lane = self._units(row_bytes)
+        unit = self._units(row_bytes)[0]
         vals = []
+        for u in self._lane_units(row_bytes, lane):
+            at = src + Int64(u) * Int64(unit)
+            vals.append(ld_volatile_sys_v4_u32(at) if unit == 16 else (ld_volatile_sys_u32(at),))
+        return vals
+
+    def _lane_units(self, row_bytes: int, lane: Int32) -> list:
+        """The units this lane loads of a row_bytes-byte row: lane, lane + threads_per_row, ...;
+        past the row's units, unit 0 (a valid address; the store is skipped)."""
+        unit, units, per_lane = self._units(row_bytes)
+        lane_units = []
         for k in range(per_lane):
             u = lane + Int32(k * self.t.threads_per_row)
             if units % self.t.threads_per_row:
                 u = u * Int32(u < Int32(units))
-            at = src + Int64(u) * Int64(unit)
-            vals.append(ld_volatile_sys_v4_u32(at) if unit == 16 else (ld_volatile_sys_u32(at),))
-        return vals
+            lane_units.append(u)
+        return lane_units
 
     def _swizzled_row_loads(self, s_base: Int64, row: Int32, lane: Int32) -> list:
         """_unit_loads of row `row` of the 128x4-swizzled scales at s_base, as its linear row: unit
         u's words are blocks 4w .. 4w + 3 for w = u * words_per_unit + j, each at its
         swizzled_offset (NOTE [swizzled scales gathered])."""
-        unit, units, per_lane = self._units(self.s_row_bytes)
-        k_blocks = self.t.hidden // self.q.group_size
-        vals = []
-        for k in range(per_lane):
-            u = lane + Int32(k * self.t.threads_per_row)
-            if units % self.t.threads_per_row:
-                u = u * Int32(u < Int32(units))
-            vals.append(tuple(
-                ld_weak_u32(s_base + Int64(swizzled_offset(
-                    row, (u * Int32(unit // 4) + Int32(j)) * Int32(4), k_blocks)))
-                for j in range(unit // 4)))
-        return vals
+        unit = self._units(self.s_row_bytes)[0]
+        return [tuple(ld_weak_u32(self._scale_word_addr(s_base, row, u, unit, j))
+                      for j in range(unit // 4))
+                for u in self._lane_units(self.s_row_bytes, lane)]
 
     @cute.jit
     def _copy_out_q(self, mBuf, q_base: Int64, s_base: Int64, m: Int32, slice_rows: Int32,
@@ -355,7 +362,7 @@ class ReduceScatter:
                     for k in cutlass.range_constexpr(per_lane):
                         u = lane + Int32(k * self.t.threads_per_row)
                         if oks[c] & (u < Int32(units)):
-                            if const_expr(c % len(kinds) == 1 and self.q.swizzled):
+                            if const_expr(c % len(kinds) == 1 and self.gather_swizzled):
                                 self._swizzled_unit_store(s_base, global_rows[c], u, unit,
                                                           loaded[c][k])
                             else:

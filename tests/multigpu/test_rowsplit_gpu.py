@@ -356,7 +356,7 @@ def _body_seqpar_rows() -> None:
                            f"{tag}: row gather launched {state.row_gathers - launches} times")
                     # NOTE [gather in the epilogue]: q gathered by the reduce-scatter kernel
                     last_shard = M - (peer.world_size - 1) * -(-M // peer.world_size)
-                    in_epilogue = (by_peers and gather_by.startswith("epilogue")
+                    in_epilogue = (by_peers and gather_by in ("epilogue", "epilogue-swizzled")
                                    and quant is not None and last_shard > 0)
                     expect((state.epilogue_gathers > fused) == in_epilogue,
                            f"{tag}: {state.epilogue_gathers - fused} reduce-scatters gathered q")

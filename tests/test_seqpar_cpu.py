@@ -290,6 +290,39 @@ def test_kernel_writes_the_given_gathered_rows(monkeypatch, spec_name):
         assert written[k] is not None and written[k].data_ptr() == t.data_ptr(), k
 
 
+@pytest.mark.parametrize("gather_by", ["epilogue", "epilogue-swizzled"])
+def test_kernel_spec_pushes_scales_only_when_the_host_expects_them(gather_by):
+    """The kernel of the returned spec pushes scale rows (pushed_scale_row_bytes > 0, as the
+    kernel decides it) exactly when the host counts its scales as gathered by it, for every
+    layout, column-major included (computed row-major by the kernel, linear_spec): a kernel that
+    pushes scales the host did not plan for writes into rows the host does not read (seen on
+    2 x H200: per-group column-major shard scales wrong at M = 130)."""
+    import dataclasses
+
+    from distnorm import formats
+    from distnorm.collectives.seqpar import _kernel_gathers
+    from distnorm.collectives.state import state_of
+    from distnorm.formats import pushed_scale_row_bytes
+
+    world, H = 2, 4096
+    ws = _fake_workspace(p2p_ok=True, world_size=world, buffer_bytes=256 << 20)
+    state_of(ws).tuning = dataclasses.replace(state_of(ws).tuning, gather_by=gather_by)
+    specs = [formats.make_quant_spec(q, **kw) for q, kw in (
+        ("fp8", {}), ("fp8_per_token", {}), ("fp8_per_group", {}),
+        ("fp8_per_group", {"scale_major": "col"}), ("nvfp4", {}), ("nvfp4", {"sf_layout": "linear"}),
+        ("mxfp8", {}), ("mxfp4", {"sf_layout": "linear"}))]
+    for spec in specs:
+        has_scales = formats.scales_geometry(spec, 1, H) is not None
+        for M in (1, 130, 2048, 4099):
+            chunk, kspec, q_gathered, s_gathered, _ = _kernel_gathers(
+                ws, _FakeRows(M, H), spec, True, has_scales)
+            if q_gathered:
+                pushes = has_scales and pushed_scale_row_bytes(kspec, H) > 0
+                assert pushes == s_gathered, (spec, M, kspec, s_gathered)
+            if spec.col_major:
+                assert not kspec.col_major, (spec, M)
+
+
 def test_scales_pushed_with_q_where_their_rows_fit(monkeypatch):
     """NOTE [gathered scales] / [gather in the epilogue]: with gather=True in one launch, scales
     whose row-major linear rows are whole 4-byte units go with q (the kernel's spec then has

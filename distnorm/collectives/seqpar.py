@@ -191,7 +191,8 @@ def _kernel_gathers(ws: Workspace, x2: Tensor, spec: Optional[QuantSpec], gather
         return chunk, kspec, False, False, in_place
     # one launch only: the kernel finds the gathered q from its shard's view at rank * S rows, and
     # a chunk's view sits at rank * S + its offset
-    pushed = pushed_scale_row_bytes(spec, H) if has_scales else 0
+    # the rows the kernel of linear_spec(spec) pushes (column-major scales are computed row-major)
+    pushed = pushed_scale_row_bytes(linear_spec(spec), H) if has_scales else 0
     if pushed and _q_in_epilogue(ws, spec, M, H, pushed):
         from distnorm.collectives.state import state_of
 

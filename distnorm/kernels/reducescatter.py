@@ -76,6 +76,16 @@ one: after fec335f the words are read with weak loads (a word holds one row's bl
 stored by this CTA's epilogue before its barrier: the plain write / __syncthreads / read pattern)
 and stored with weak stores (read after the kernel). Not yet measured.
 
+NOTE [weak gather copies] (wip/weak-gather-copies, an A/B against main): the gather's copies
+use weak loads and stores where nothing else needs them stronger: the push reads my own q and
+scale rows, stored by this CTA's epilogue before its barrier (the plain write / barrier / read
+pattern), and stores them into the peers' q areas, which the peers read only after a barrier whose
+release orders every earlier store (as two-shot's pushes of x); the copy-out stores into my own
+outputs, read after the kernel. Its loads of the peers' rows stay volatile: a weak load could
+find a line cached by an earlier round's read (32 per-token scale rows share a line). Why:
+the swizzled gather's 4-byte volatile words measured about one L2 round trip per warp access
+(NOTE [swizzled scales gathered]); the same may hold for these 16-byte ones.
+
 NOTE [copy-out by rounds]: the pipelined form copies round r's gathered rows out right after the
 barrier that follows round r (it orders every peer's q pushes of the round before it), while the
 peers' later rounds still cross the link; only the last round's rows wait for the final barrier.
@@ -98,7 +108,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 # absolute imports: the 4.3.5 DSL preprocessor needs them
 from distnorm.formats import swizzled_offset
 from distnorm.kernels.sync import (ld_volatile_sys_u32, ld_volatile_sys_v4_u32, ld_weak_u32,
-                                  st_volatile_sys_v4_u32, st_volatile_u32, st_weak_u32)
+                                  ld_weak_v4_u32, st_volatile_sys_v4_u32, st_volatile_u32,
+                                  st_weak_u32, st_weak_v4_u32)
 
 __all__ = ["ReduceScatter", "RS_FORM_ROUNDS", "RS_ALGOS", "COPY_BATCH"]
 
@@ -118,12 +129,13 @@ RS_FORM_ROUNDS = {"serial": 1, "pipelined": 4, "pipelined-8": 8, "pipelined-16":
 COPY_BATCH = 4
 
 
-def _unit_store(addr: Int64, val: tuple) -> None:
-    """Store one loaded unit (4 words: 16 bytes, 1 word: 4 bytes) at addr."""
+def _unit_store(addr: Int64, val: tuple, weak: bool = False) -> None:
+    """Store one loaded unit (4 words: 16 bytes, 1 word: 4 bytes) at addr (weak: NOTE [weak
+    gather copies])."""
     if len(val) == 4:
-        st_volatile_sys_v4_u32(addr, *val)
+        (st_weak_v4_u32 if weak else st_volatile_sys_v4_u32)(addr, *val)
     else:
-        st_volatile_u32(addr, val[0])
+        (st_weak_u32 if weak else st_volatile_u32)(addr, val[0])
 
 
 class ReduceScatter:
@@ -255,8 +267,8 @@ class ReduceScatter:
                         # NOTE [swizzled scales gathered]: read word by word
                         loaded.append(self._swizzled_row_loads(s_base, rank * slice_rows + i,
                                                                lane))
-                    else:
-                        loaded.append(self._unit_loads(parts[p][0], lane, parts[p][2]))
+                    else:  # my own rows, stored before the barrier above
+                        loaded.append(self._unit_loads(parts[p][0], lane, parts[p][2], True))
                 for p in cutlass.range_constexpr(len(parts)):
                     unit, units, per_lane = self._units(parts[p][2])
                     for k in cutlass.range_constexpr(per_lane):
@@ -265,7 +277,7 @@ class ReduceScatter:
                             for s in cutlass.range_constexpr(self.world):
                                 if Int32(s) != rank:
                                     _unit_store(mBuf[self.world + s] + parts[p][1]
-                                                + Int64(u) * Int64(unit), loaded[p][k])
+                                                + Int64(u) * Int64(unit), loaded[p][k], True)
 
     def _swizzled_unit_store(self, full_s: Int64, row: Int32, u: Int32, unit: int,
                              val: tuple) -> None:
@@ -292,16 +304,20 @@ class ReduceScatter:
         units = row_bytes // unit
         return unit, units, -(-units // self.t.threads_per_row)
 
-    def _unit_loads(self, src: Int64, lane: Int32, row_bytes: int) -> list:
+    def _unit_loads(self, src: Int64, lane: Int32, row_bytes: int, weak: bool = False) -> list:
         """This lane's units of the row at src, all loads issued before any use (NOTE [batched
         copies]); a lane past the row's units loads unit 0 (its store is skipped). Volatile
-        loads: they bypass L1, so they see what other threads of the CTA (the epilogue) and the
-        peers (the pushes) stored."""
+        loads: they bypass L1, so they see what the peers (the pushes) stored; weak ones for the
+        CTA's own rows (NOTE [weak gather copies])."""
         unit = self._units(row_bytes)[0]
         vals = []
         for u in self._lane_units(row_bytes, lane):
             at = src + Int64(u) * Int64(unit)
-            vals.append(ld_volatile_sys_v4_u32(at) if unit == 16 else (ld_volatile_sys_u32(at),))
+            if weak:
+                vals.append(ld_weak_v4_u32(at) if unit == 16 else (ld_weak_u32(at),))
+            else:
+                vals.append(ld_volatile_sys_v4_u32(at) if unit == 16 else
+                            (ld_volatile_sys_u32(at),))
         return vals
 
     def _lane_units(self, row_bytes: int, lane: Int32) -> list:
@@ -366,4 +382,5 @@ class ReduceScatter:
                                 self._swizzled_unit_store(s_base, global_rows[c], u, unit,
                                                           loaded[c][k])
                             else:
-                                _unit_store(dsts[c][0] + Int64(u) * Int64(unit), loaded[c][k])
+                                _unit_store(dsts[c][0] + Int64(u) * Int64(unit), loaded[c][k],
+                                            True)

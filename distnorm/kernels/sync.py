@@ -10,6 +10,8 @@ one is a device function taking 64-bit generic/global addresses as ``Int64``):
     st_relaxed_sys_u32(addr, v)                st.relaxed.sys.global.u32
     st_volatile_u32(addr, v)                   st.volatile.global.u32
     ld_weak_u32(addr) -> Int32                 ld.global.u32 (weak)
+    ld_weak_v4_u32(addr) -> 4 x Int32          ld.global.v4.u32 (weak)
+    st_weak_v4_u32(addr, a, b, c, d)           st.global.v4.u32 (weak)
     st_weak_u32(addr, v)                       st.global.u32 (weak)
     atomic_cas_sys_u32(addr, cmp, v) -> Int32  atom.relaxed.sys.global.cas.b32 (returns the old value)
     atomic_add_gpu_u32(addr, v)                red.relaxed.gpu.global.add.u32
@@ -49,7 +51,8 @@ __all__ = [
     "st_relaxed_sys_u32", "st_volatile_u32", "ld_weak_u32", "st_weak_u32", "atomic_cas_sys_u32",
     "atomic_add_gpu_u32",
     "atom_add_acq_rel_gpu_u32", "fence_acq_rel_sys", "globaltimer_ns", "ld_volatile_sys_v4_u32",
-    "st_volatile_sys_v4_u32", "ld_acquire_sys_u32x2", "st_release_sys_u32x2", "cta_barrier",
+    "st_volatile_sys_v4_u32", "ld_weak_v4_u32", "st_weak_v4_u32", "ld_acquire_sys_u32x2",
+    "st_release_sys_u32x2", "cta_barrier",
     "record_timeout", "record_mismatch", "gave_up", "must_stop", "barrier_or", "SPIN_CHECK_MASK",
 ]
 
@@ -116,21 +119,36 @@ def globaltimer_ns(*, loc=None, ip=None) -> Int64:
     return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l"))
 
 
-@dsl_user_op
-def ld_volatile_sys_v4_u32(addr, *, loc=None, ip=None):
-    """128-bit volatile load (bypasses L1; sees peers' stores without caching). Returns 4 Int32."""
-    st = llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()])
-    res = _asm(st, [ir_i64(addr, loc, ip)], "ld.volatile.global.v4.u32 {$0, $1, $2, $3}, [$4];",
-               "=r,=r,=r,=r,l,~{memory}")
-    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+def _load_v4(text: str, doc: str):
+    """A 128-bit load primitive f(addr) -> 4 x Int32 running `text` ($0-$3 values, $4 address)."""
+    @dsl_user_op
+    def load(addr, *, loc=None, ip=None):
+        st = llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()])
+        res = _asm(st, [ir_i64(addr, loc, ip)], text, "=r,=r,=r,=r,l,~{memory}")
+        return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+    load.__doc__ = doc
+    return load
 
 
-@dsl_user_op
-def st_volatile_sys_v4_u32(addr, a, b, c, d, *, loc=None, ip=None) -> None:
-    """128-bit volatile store (16-byte aligned address)."""
-    _asm(None, [ir_i64(addr, loc, ip), ir_i32(a, loc, ip), ir_i32(b, loc, ip), ir_i32(c, loc, ip),
-                ir_i32(d, loc, ip)],
-         "st.volatile.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}")
+def _store_v4(text: str, doc: str):
+    """A 128-bit store primitive f(addr, a, b, c, d) running `text` ($0 address, $1-$4 values)."""
+    @dsl_user_op
+    def store(addr, a, b, c, d, *, loc=None, ip=None) -> None:
+        _asm(None, [ir_i64(addr, loc, ip), ir_i32(a, loc, ip), ir_i32(b, loc, ip),
+                    ir_i32(c, loc, ip), ir_i32(d, loc, ip)], text, "l,r,r,r,r,~{memory}")
+    store.__doc__ = doc
+    return store
+
+
+ld_volatile_sys_v4_u32 = _load_v4(
+    "ld.volatile.global.v4.u32 {$0, $1, $2, $3}, [$4];",
+    "128-bit volatile load (bypasses L1; sees peers' stores without caching). Returns 4 Int32.")
+st_volatile_sys_v4_u32 = _store_v4("st.volatile.global.v4.u32 [$0], {$1, $2, $3, $4};",
+                                   "128-bit volatile store (16-byte aligned address).")
+# weak: a CTA's own stores read after its barrier, and stores ordered by a later barrier's release
+# or read after the kernel (NOTE [weak gather copies] in kernels/reducescatter.py)
+ld_weak_v4_u32 = _load_v4("ld.global.v4.u32 {$0, $1, $2, $3}, [$4];", "128-bit weak load.")
+st_weak_v4_u32 = _store_v4("st.global.v4.u32 [$0], {$1, $2, $3, $4};", "128-bit weak store.")
 
 
 @dsl_user_op

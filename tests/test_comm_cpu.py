@@ -356,7 +356,7 @@ def _body_settings_differ(env: dict) -> None:
 
 
 #: what an unset variable resolves to (collectives.plan.settings_ranks_share)
-SHARED_DEFAULTS = {"DISTNORM_GATHER_BY": "epilogue", "DISTNORM_NOPEER_FORM": "auto",
+SHARED_DEFAULTS = {"DISTNORM_GATHER_BY": "epilogue-swizzled", "DISTNORM_NOPEER_FORM": "auto",
                    "DISTNORM_TWOSHOT_FORM": "auto", "DISTNORM_LAMPORT_FORM": "poll-all",
                    "DISTNORM_REDUCESCATTER_FORM": "auto", "DISTNORM_ROWGATHER_FORM": "auto"}
 

@@ -347,6 +347,8 @@ def test_scales_pushed_with_q_where_their_rows_fit(monkeypatch):
     mxfp4, fp8 = formats.make_quant_spec("mxfp4"), formats.make_quant_spec("fp8")
     big = _fake_workspace(p2p_ok=True, world_size=world, buffer_bytes=256 << 20)
     x = _FakeRows(M, H)
+    assert state_of(big).tuning.gather_by == "epilogue-swizzled"  # the default
+    state_of(big).tuning = dataclasses.replace(state_of(big).tuning, gather_by="epilogue")
     assert _kernel_gathers(big, x, nvfp4, True, True) == (S, linear_spec(nvfp4), True, True, True)
     # gather_by "epilogue-swizzled": swizzled scales stay swizzled (the kernel lays out the whole
     # output), shards of whole 128-row tiles or not; other layouts as before

@@ -297,15 +297,15 @@ AUTO_FORM = "auto"
 TUNING_FORMS = {algo: ((AUTO_FORM,) + forms if algo in SIZED_FORMS else forms)
                 for algo, forms in ALGORITHM_FORMS.items()}
 # Who gathers the sequence-parallel ops' rows when the workspace has peer mappings (Tuning.gather_by),
-# the default first: "epilogue" (q pushed from the reduce-scatter's epilogue, NOTE [gather in the
-# epilogue] in kernels/reducescatter.py, the rest as "peers"; NOT yet measured against "peers"), "peers"
-# (the row gather kernel), "nccl". The peers beat NCCL's all_gather at every size measured on 2 x
-# H200 (FP8 at 512 x 8192 35.4 vs 46.5 us, 16384 x 8192 796 vs 806: seqpar_h200_x2.md).
-# "epilogue-swizzled": "epilogue", and 128x4-swizzled block scales laid out by the kernel (NOTE
-# [swizzled scales gathered]) instead of pushed linear and laid out after it; not the default: on
-# 2 x H200 gathered NVFP4 at 128 x 4096 10.9 us against 12.5, 512 x 4096 17.8 against 18.9, but
-# 512 x 8192 29.2 against 27.4 and 2048 x 8192 102.6 against 86.3 (seqpar_swz_h200_x2.md).
-GATHER_BY = ("epilogue", "peers", "nccl", "epilogue-swizzled")
+# the default first: "epilogue-swizzled" ("epilogue", and 128x4-swizzled block scales laid out by
+# the kernel, NOTE [swizzled scales gathered] in kernels/reducescatter.py, instead of pushed linear
+# and laid out after it: on 2 x H200 gathered NVFP4 at 128 x 4096 10.2 us against 12.0, 8192 x 4096
+# 147.6 against 152.7, at par or faster at 7 of 8 shapes, 0.6 us slower at 2048 x 4096:
+# seqpar_weak_h200_x2.md), "epilogue" (q and linear scale rows pushed from the reduce-scatter's
+# epilogue, NOTE [gather in the epilogue], the rest as "peers"), "peers" (the row gather kernel),
+# "nccl". The peers beat NCCL's all_gather at every size measured on 2 x H200 (FP8 at 512 x 8192
+# 35.4 vs 46.5 us, 16384 x 8192 796 vs 806: seqpar_h200_x2.md).
+GATHER_BY = ("epilogue-swizzled", "epilogue", "peers", "nccl")
 # DISTNORM_NOPEER_FORM (collectives/nopeer.py, NOTE [no-peer forms]): "auto" (by byte count, the
 # default) or a forced form
 NOPEER_FORMS = ("auto", "gather", "split", "split-h")
@@ -334,11 +334,11 @@ class Tuning:
     host_timeout_s: how long a host-side wait for the group (the first lamport call's preparation,
       reset) lasts before it raises: long, because ranks reach their first call at different times
       (model loading, compilation).
-    gather_by: how the sequence-parallel ops gather rows with peer mappings: "epilogue" (q from
-      the reduce-scatter kernel's epilogue when it fits, NOTE [gather in the epilogue]; the rest as
-      "peers"), "peers" (the row gather kernel, kernels/rowgather.py) or "nccl" (torch.distributed
-      all_gather), or "epilogue-swizzled" ("epilogue" with swizzled scales stored swizzled by the
-      kernel, GATHER_BY's note); same bytes.
+    gather_by: how the sequence-parallel ops gather rows with peer mappings: "epilogue-swizzled"
+      (the default: "epilogue" with swizzled scales stored swizzled by the kernel, GATHER_BY's
+      note), "epilogue" (q from the reduce-scatter kernel's epilogue when it fits, NOTE [gather in
+      the epilogue]; the rest as "peers"), "peers" (the row gather kernel, kernels/rowgather.py)
+      or "nccl" (torch.distributed all_gather); same bytes.
     """
 
     pdl: bool = True

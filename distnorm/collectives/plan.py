@@ -301,7 +301,7 @@ TUNING_FORMS = {algo: ((AUTO_FORM,) + forms if algo in SIZED_FORMS else forms)
 # the kernel, NOTE [swizzled scales gathered] in kernels/reducescatter.py, instead of pushed linear
 # and laid out after it: on 2 x H200 gathered NVFP4 at 128 x 4096 10.2 us against 12.0, 8192 x 4096
 # 147.6 against 152.7, at par or faster at 7 of 8 shapes, 0.6 us slower at 2048 x 4096:
-# seqpar_weak_h200_x2.md), "epilogue" (q and linear scale rows pushed from the reduce-scatter's
+# seqpar_weak_ab_h200_x2.md), "epilogue" (q and linear scale rows pushed from the reduce-scatter's
 # epilogue, NOTE [gather in the epilogue], the rest as "peers"), "peers" (the row gather kernel),
 # "nccl". The peers beat NCCL's all_gather at every size measured on 2 x H200 (FP8 at 512 x 8192
 # 35.4 vs 46.5 us, 16384 x 8192 796 vs 806: seqpar_h200_x2.md).

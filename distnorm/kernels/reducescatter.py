@@ -53,38 +53,34 @@ gathered after the kernel. Same bytes as the row gather: bitwise. The copies' lo
 their stores (NOTE [batched copies]).
 
 NOTE [swizzled scales gathered]: 128x4-swizzled block scales whose rows are whole 4-byte words
-(formats.pushed_scale_row_bytes) go the same way (Tuning.gather_by "epilogue-swizzled"), and the
-kernel lays them out itself: its scales tensor is the full output (M rows' tiles, not the shard's
-rows), the epilogue writes row i's scales at row rank * S + i (its scale_row), the push reads each
-of my rows back word by word (a row's blocks 4b .. 4b + 3 are one word) and sends it as a linear
-row, the copy-out stores each word of the other shards' linear rows at its swizzled place, and
-every rank zeroes the padding words of rows M .. round_up(M, 128) of its own full output (NOTE
-[padding words]). Shards need not be whole tiles: every store names its global row, and a word
-holds one row's blocks, so no two writers share one. The host then has nothing to lay out:
-before, the scales went linear and a permuted copy followed the kernel (formats.swizzle_into:
-2.4 us at 2048 x 256 scales, 4.9 at 8192 x 256, 7.9 at 16384 x 256 on one H200; more at row
-counts off whole tiles, benchmarks/results/swizzle_into_h200.md). Same bytes, the same places:
-bitwise. Measured on 2 x H200 (benchmarks/results/seqpar_swz_h200_x2.md): faster where the copy
-after the kernel is most of the difference (gathered NVFP4 128 x 4096 10.9 us against 12.5, 128 x
-8192 12.6 against 14.3, 512 x 4096 17.8 against 18.9), slower from 8 MiB of x (512 x 8192 29.2
-against 27.4, 2048 x 4096 53.8 against 47.0, 2048 x 8192 102.6 against 86.3, and 3-7 us at 8192
-rows, where the copy-out runs by rounds). Not found yet why (the PTX has no spills and a few more
-4-byte loads and stores per row); so it is opt-in. The loss, ~0.035 us per KiB of the shard's
-scales whatever the shape (about one L2 round trip per 4-byte warp access, as if each waited for
-the last), points at the volatile word accesses, four per 16-byte unit where the linear path has
-one: after fec335f the words are read with weak loads (a word holds one row's blocks, all
-stored by this CTA's epilogue before its barrier: the plain write / __syncthreads / read pattern)
-and stored with weak stores (read after the kernel). Not yet measured.
+(formats.pushed_scale_row_bytes) go the same way (Tuning.gather_by "epilogue-swizzled", the
+default), and the kernel lays them out itself: its scales tensor is the full output (M rows'
+tiles, not the shard's rows), the epilogue writes row i's scales at row rank * S + i (its
+scale_row), the push reads each of my rows back word by word (a row's blocks 4b .. 4b + 3 are one
+word) and sends it as a linear row, the copy-out stores each word of the other shards' linear rows
+at its swizzled place, and every rank zeroes the padding words of rows M .. round_up(M, 128) of
+its own full output (NOTE [padding words]). Shards need not be whole tiles: every store names its
+global row, and a word holds one row's blocks, so no two writers share one. The host then has
+nothing to lay out: under "epilogue" the scales go linear and a permuted copy follows the kernel
+(formats.swizzle_into: 2.4 us at 2048 x 256 scales, 4.9 at 8192 x 256, 7.9 at 16384 x 256 on one
+H200; benchmarks/results/swizzle_into_h200.md). Same bytes, the same places: bitwise. The words
+are read with weak loads (a word holds one row's blocks, all stored by this CTA's epilogue before
+its barrier: the plain write / __syncthreads / read pattern) and stored with weak stores (read
+after the kernel). With volatile ones the kernel lost ~0.035 us per KiB of the shard's scales,
+about one L2 round trip per 4-byte warp access (2 x H200, gathered NVFP4 2048 x 8192: 102.6 us
+against the linear path's 86.3, benchmarks/results/seqpar_swz_h200_x2.md); with weak ones it is at
+par or faster at 7 of 8 shapes (84.4 against 86.6 there, 144.6 against 150.3 at 8192 x 4096; 0.6
+us slower at 2048 x 4096: seqpar_weak_ab_h200_x2.md).
 
-NOTE [weak gather copies] (wip/weak-gather-copies, an A/B against main): the gather's copies
-use weak loads and stores where nothing else needs them stronger: the push reads my own q and
-scale rows, stored by this CTA's epilogue before its barrier (the plain write / barrier / read
-pattern), and stores them into the peers' q areas, which the peers read only after a barrier whose
-release orders every earlier store (as two-shot's pushes of x); the copy-out stores into my own
-outputs, read after the kernel. Its loads of the peers' rows stay volatile: a weak load could
-find a line cached by an earlier round's read (32 per-token scale rows share a line). Why:
-the swizzled gather's 4-byte volatile words measured about one L2 round trip per warp access
-(NOTE [swizzled scales gathered]); the same may hold for these 16-byte ones.
+NOTE [weak gather copies]: the gather's copies use weak loads and stores where nothing needs
+them stronger: the push reads my own q and scale rows, stored by this CTA's epilogue before its
+barrier (the plain write / barrier / read pattern), and stores them into the peers' q areas,
+which the peers read only after a barrier whose release orders every earlier store (as
+two-shot's pushes of x); the copy-out stores into my own outputs, read after the kernel. Its
+loads of the peers' rows stay volatile: a weak load could find a line cached by an earlier
+round's read (32 per-token scale rows share a line). Measured on 2 x H200 against the same
+copies volatile (seqpar_weak_ab_h200_x2.md, one round): every gathered cell 0.2-2 % faster (FP8
+2048 x 4096 46.0 against 46.3 us, NVFP4 8192 x 4096 150.3 against 152.7).
 
 NOTE [copy-out by rounds]: the pipelined form copies round r's gathered rows out right after the
 barrier that follows round r (it orders every peer's q pushes of the round before it), while the

@@ -54,7 +54,7 @@ STEP=${STEP:-list}
 PORT=${PORT:-29500}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # absolute: tree-tests runs from each tree's folder
-tag="h200_x$N"
+tag=${TAG:-h200_x$N}  # the results' suffix (TAG=... keeps two runs of a step apart)
 if [ -n "${GPUS:-}" ]; then export CUDA_VISIBLE_DEVICES=$GPUS; fi
 if [ "$STEP" = pairs ]; then
   [ -n "${A:-}" ] && [ -n "${B:-}" ] || { echo "STEP=pairs needs A=<step> and B=<step>" >&2; exit 2; }

@@ -304,23 +304,24 @@ def test_kernel_spec_pushes_scales_only_when_the_host_expects_them(gather_by):
     from distnorm.collectives.state import state_of
     from distnorm.formats import pushed_scale_row_bytes
 
-    world, H = 2, 4096
-    ws = _fake_workspace(p2p_ok=True, world_size=world, buffer_bytes=256 << 20)
-    state_of(ws).tuning = dataclasses.replace(state_of(ws).tuning, gather_by=gather_by)
     specs = [formats.make_quant_spec(q, **kw) for q, kw in (
         ("fp8", {}), ("fp8_per_token", {}), ("fp8_per_group", {}),
         ("fp8_per_group", {"scale_major": "col"}), ("nvfp4", {}), ("nvfp4", {"sf_layout": "linear"}),
-        ("mxfp8", {}), ("mxfp4", {"sf_layout": "linear"}))]
-    for spec in specs:
-        has_scales = formats.scales_geometry(spec, 1, H) is not None
-        for M in (1, 130, 2048, 4099):
-            chunk, kspec, q_gathered, s_gathered, _ = _kernel_gathers(
-                ws, _FakeRows(M, H), spec, True, has_scales)
-            if q_gathered:
-                pushes = has_scales and pushed_scale_row_bytes(kspec, H) > 0
-                assert pushes == s_gathered, (spec, M, kspec, s_gathered)
-            if spec.col_major:
-                assert not kspec.col_major, (spec, M)
+        ("mxfp8", {}), ("mxfp4", {}), ("mxfp4", {"sf_layout": "linear"}))]
+    for world in (2, 4, 8):
+        ws = _fake_workspace(p2p_ok=True, world_size=world, buffer_bytes=256 << 20)
+        state_of(ws).tuning = dataclasses.replace(state_of(ws).tuning, gather_by=gather_by)
+        for H in (2880, 4096, 7168):  # 2880: MXFP4 rows of 90 bytes, NVFP4 of 180
+            for spec in specs:
+                has_scales = formats.scales_geometry(spec, 1, H) is not None
+                for M in (1, 130, 2048, 4099):
+                    chunk, kspec, q_gathered, s_gathered, _ = _kernel_gathers(
+                        ws, _FakeRows(M, H), spec, True, has_scales)
+                    if q_gathered:
+                        pushes = has_scales and pushed_scale_row_bytes(kspec, H) > 0
+                        assert pushes == s_gathered, (world, H, spec, M, kspec, s_gathered)
+                    if spec.col_major:
+                        assert not kspec.col_major, (world, H, spec, M)
 
 
 def test_scales_pushed_with_q_where_their_rows_fit(monkeypatch):

@@ -6,9 +6,10 @@ gathered for the next GEMM, side by side in one run with the unfused chain and a
                         kernels/rowgather.py), in the forms the defaults pick by size (NOTE
                         [sized forms] in collectives/plan.py); _serial: the first forms forced
     dn_rs_<fmt>_gather_nccl  the same, gathered by NCCL all_gather (Tuning.gather_by = "nccl")
-    dn_rs_nvfp4_gather_swz  the same, the block scales laid out (swizzled) by the kernel
-                        (gather_by "epilogue-swizzled": NOTE [swizzled scales gathered] in
-                        kernels/reducescatter.py); _g2_swz: in the "pipelined-g2" form
+    dn_rs_nvfp4_gather_lin  the same, the block scales pushed as linear rows and laid out
+                        (swizzled) after the kernel (gather_by "epilogue", the default before
+                        the kernel laid them out itself: NOTE [swizzled scales gathered] in
+                        kernels/reducescatter.py); _g2_lin: in the "pipelined-g2" form
     dn_rs_<fmt>_gather_pipe  the same, the reduce-scatter in its "pipelined" form
                         (Tuning.reducescatter_form; NOTE [reduce-scatter rounds]); _pipe8 / _pipe16
                         / _pipe32 / _pipe2: its "pipelined-8" / -16 / -32 / -2 forms (up to 8 /
@@ -112,9 +113,9 @@ def outputs_match(x, res, w, ws, formats=FORMATS) -> bool:
             ok &= same_bytes(got.residual, full.residual[a:b]) and same_bytes(got.q, full.q)
             if fmt != "fp8":
                 ok &= same_bytes(got.scales, full.scales)
-        if fmt == "nvfp4":  # scales stored swizzled by the kernel (NOTE [swizzled scales gathered])
+        if fmt == "nvfp4":  # scales pushed linear, laid out after the kernel (the default: by it)
             got = tuned(ws, lambda: distnorm.reduce_scatter_add_rmsnorm(
-                x, res[a:b], w, EPS, workspace=ws, gather=True, **kw), gather_by="epilogue-swizzled")
+                x, res[a:b], w, EPS, workspace=ws, gather=True, **kw), gather_by="epilogue")
             ok &= same_bytes(got.q, full.q) and same_bytes(got.scales, full.scales)
     return bool(ok)
 
@@ -153,8 +154,8 @@ def cases(x, res, w, ws, nccl: bool, symm, compiled_tail, formats=FORMATS,
         c[f"dn_rs_{fmt}_gather"] = rs(kw, True)
         c[f"dn_rs_{fmt}_gather_nccl"] = rs(kw, True, gather_by="nccl")
         if fmt == "nvfp4":  # the one format with swizzled scales here
-            c[f"dn_rs_{fmt}_gather_swz"] = rs(kw, True, gather_by="epilogue-swizzled")
-            c[f"dn_rs_{fmt}_gather_g2_swz"] = rs(kw, True, gather_by="epilogue-swizzled",
+            c[f"dn_rs_{fmt}_gather_lin"] = rs(kw, True, gather_by="epilogue")
+            c[f"dn_rs_{fmt}_gather_g2_lin"] = rs(kw, True, gather_by="epilogue",
                                                  reducescatter_form="pipelined-g2")
         forced = [(tag, (rs_form, "unit")) for rs_form, tag in RS_FORM_TAGS.items()]
         for tag, (rs_form, rg_form) in forced + [("batched", ("serial", "batched")),

@@ -28,8 +28,8 @@
 #   rs-forms        the reduce-scatter's forms (NOTE [reduce-scatter rounds]: serial, pipelined,
 #                   pipelined-2 / -8 / -16 / -32 / -g2 / -g4): the forms and row-split GPU tests,
 #                   then bench_seqpar's gathered forms and the reduce-scatter alone at 512-16384
-#                   rows (a column per form, _r1 / _pipe_r1 / _pipe2_r1 with one row per CTA, _swz / _g2_swz
-#                   with the kernel storing swizzled scales (gather_by "epilogue-swizzled");
+#                   rows (a column per form, _r1 / _pipe_r1 / _pipe2_r1 with one row per CTA, _lin / _g2_lin
+#                   with swizzled scales pushed linear and laid out after the kernel (gather_by "epilogue");
 #                   the all-reduces alone beside them)
 #   faults-ab       fault handling's cost: bench_allreduce_fusion's distnorm cases from 06bbda4 (which
 #                   brought it), its parent and this tree, alternated (benchmarks/ab_trees.py)
@@ -102,7 +102,7 @@ case $STEP in
       tests/multigpu/test_forms_gpu.py tests/multigpu/test_rowsplit_gpu.py -q -rfs -p no:cacheprovider &&
             run seqpar_rounds torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_seqpar.py \
       --no-compile --tokens 512 2048 8192 16384 --hidden 4096 8192 --formats fp8 nvfp4 \
-      --cases '^(dn_rs_(fp8|nvfp4)(_gather)?(_serial|_pipe|_pipe2|_pipe8|_pipe16|_pipe32|_g2|_g4|_r1|_pipe_r1|_pipe2_r1|_swz|_g2_swz)?|dn_ar|nccl_ar|symm2)$' \
+      --cases '^(dn_rs_(fp8|nvfp4)(_gather)?(_serial|_pipe|_pipe2|_pipe8|_pipe16|_pipe32|_g2|_g4|_r1|_pipe_r1|_pipe2_r1|_lin|_g2_lin)?|dn_ar|nccl_ar|symm2)$' \
       --out "$OUT/seqpar_rounds_$tag" ;;
   faults-ab) wt=${AB_TREES:-}   # AB_TREES=DIR: DIR/before and DIR/after made beforehand (the device copy has no .git):
       # mkdir -p DIR/before DIR/after && git archive 06bbda4^ | tar -x -C DIR/before && git archive 06bbda4 | tar -x -C DIR/after

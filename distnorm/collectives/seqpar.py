@@ -177,8 +177,9 @@ def _kernel_gathers(ws: Workspace, x2: Tensor, spec: Optional[QuantSpec], gather
     scales]: scales to gather are written by the kernel straight into their rows of the full
     output: pushed with q in one launch when their row-major linear rows are whole 4-byte units
     (in spec's layout when that is row-major, or swizzled, as the whole output, under gather_by
-    "epilogue-swizzled": NOTE [swizzled scales gathered] in kernels/reducescatter.py; else put
-    in spec's layout once, after the kernel), else in spec's layout where it allows
+    "epilogue-swizzled", the default: NOTE [swizzled scales gathered] in
+    kernels/reducescatter.py; under "epilogue" put in spec's layout once, after the kernel), else
+    in spec's layout where it allows
     (_scales_in_place), else row-major and linear, as the row gather takes them, and put in spec's
     layout once, after it. Every rank computes it from the same call and workspace."""
     M, H = x2.shape

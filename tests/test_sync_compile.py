@@ -15,11 +15,15 @@ for world in (2, 4, 8):
         done.append((world, barrier_only))
 compiled_primitives_smoke()
 done.append("v4")
+from push_kernel import MODES, compiled_push  # benchmarks/bench_push.py's measurement kernel
+for mode in MODES:
+    compiled_push(mode)
+    done.append(mode)
 """
 
 
 def test_barrier_kernels_compile_sm90a():
-    assert compile_in_subprocess(BODY, timeout=300) == 7
+    assert compile_in_subprocess(BODY, timeout=300) == 9
 
 
 def test_region_layout_and_timeout(monkeypatch):

@@ -1,5 +1,6 @@
 """How many CTAs fill NVLink with pushes into a peer's buffer: threads storing 16-byte units (as the
-reduce-scatter's pushes do today) against one thread per CTA issuing TMA bulk copies
+reduce-scatter's pushes do today) against one thread per CTA issuing TMA bulk copies, from shared
+memory only ("tma") or the whole way from HBM through shared memory ("tma-copy")
 (tests/push_kernel.py; issue 13's TMA lever: pushes that leave the CTA's threads free).
 
     torchrun --nproc-per-node 2 benchmarks/bench_push.py --out benchmarks/results/push_h200_x2
@@ -74,7 +75,8 @@ def main(argv=None) -> list:
                  f"per launch / us per launch; CUDA graph of {args.calls} launches, median of "
                  f"{args.repeats} queued replays, max over ranks) by mode and CTAs: st = every "
                  "thread stores 16-byte units, tma = one thread per CTA issues 32 KiB bulk copies "
-                 "from shared memory (tests/push_kernel.py).", "",
+                 "from shared memory, tma-copy = the same from HBM through two 16 KiB stages "
+                 "(tests/push_kernel.py).", "",
                  "| MiB | " + " | ".join(heads) + " |", "|---:|" + "---:|" * len(heads)]
         for r in rows:
             lines.append(f"| {r['MiB']} | " + " | ".join(

@@ -11,8 +11,11 @@ Modes (compile-time):
   their stores (NOTE [batched copies] in kernels/reducescatter.py);
 - "tma": thread 0 of each CTA issues cp.async.bulk stores of CHUNK bytes from its shared memory to
   dst, grid-stride over the chunks, one bulk group each, and waits for them all before it exits.
-  The shared memory is not filled from src: this measures the link side only (the load into
-  shared memory is local HBM traffic, ~10x the link's bandwidth).
+  The shared memory is not filled from src: this measures the link side only;
+- "tma-copy": the whole push through the TMA, src -> shared memory -> dst, in two stages of
+  CHUNK / 2 bytes: chunk j + 1 is loaded (cp.async.bulk into shared memory, an mbarrier counting
+  its bytes) while chunk j is stored, a stage reloaded only after the store that read it has read
+  it (cp.async.bulk.wait_group.read).
 The destination is any global address: a peer's workspace buffer (its contents are scratch).
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ import functools
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from distnorm.kernels import compat, sync
 from distnorm.kernels.compat import SmemAllocator
@@ -31,7 +34,8 @@ from distnorm.kernels.ptx import inline_asm, ir_i32, ir_i64
 THREADS = 128
 UNROLL = 4
 CHUNK = 32 << 10  # bytes per bulk copy (static shared memory: under the 48 KiB default)
-MODES = ("st", "tma")
+HALF = CHUNK // 2  # a stage of "tma-copy"
+MODES = ("st", "tma", "tma-copy")
 
 
 @dsl_user_op
@@ -48,6 +52,46 @@ def bulk_store_s2g(gaddr, saddr, nbytes, *, loc=None, ip=None) -> None:
 def bulk_wait_all(*, loc=None, ip=None) -> None:
     """Wait until every bulk group this thread committed has completed (its writes performed)."""
     inline_asm(None, [], "cp.async.bulk.wait_group 0;", "~{memory}", True)
+
+
+@dsl_user_op
+def bulk_wait_read_all(*, loc=None, ip=None) -> None:
+    """Wait until every bulk group this thread committed has read its shared-memory source."""
+    inline_asm(None, [], "cp.async.bulk.wait_group.read 0;", "~{memory}", True)
+
+
+@dsl_user_op
+def mbar_init(mbar, *, loc=None, ip=None) -> None:
+    """Initialize the shared-memory mbarrier at mbar for one arrival per phase, visible to the
+    async proxy."""
+    inline_asm(None, [ir_i32(mbar, loc, ip)], "mbarrier.init.shared::cta.b64 [$0], 1;\n\t"
+               "fence.mbarrier_init.release.cluster;", "r,~{memory}", True)
+
+
+@dsl_user_op
+def bulk_load_g2s(saddr, gaddr, nbytes, mbar, *, loc=None, ip=None) -> None:
+    """cp.async.bulk of nbytes from global gaddr into shared saddr; the mbarrier at mbar expects
+    them (its phase completes when they have landed)."""
+    inline_asm(None, [ir_i32(saddr, loc, ip), ir_i64(gaddr, loc, ip), ir_i32(nbytes, loc, ip),
+                      ir_i32(mbar, loc, ip)],
+               "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$3], $2;\n\t"
+               "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, "
+               "[$3];", "r,l,r,r,~{memory}", True)
+
+
+@dsl_user_op
+def mbar_ready(mbar, parity, *, loc=None, ip=None) -> Int32:
+    """1 when the mbarrier's phase of the given parity has completed (mbarrier.try_wait.parity)."""
+    return Int32(inline_asm(T.i32(), [ir_i32(mbar, loc, ip), ir_i32(parity, loc, ip)],
+                            "{\n\t.reg .pred p;\n\t"
+                            "mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2;\n\t"
+                            "selp.b32 $0, 1, 0, p;\n\t}", "=r,r,r,~{memory}", True))
+
+
+@dsl_user_op
+def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
+    """Order shared memory between the generic and the async (TMA) proxies."""
+    inline_asm(None, [], "fence.proxy.async.shared::cta;", "~{memory}", True)
 
 
 class PushBandwidth:
@@ -81,7 +125,7 @@ class PushBandwidth:
                     a, b, c, d = vals[k]
                     sync.st_weak_v4_u32(dst + Int64(base + Int32(k * THREADS)) * Int64(16),
                                         a, b, c, d)
-        else:
+        elif const_expr(self.mode == "tma"):
             smem = SmemAllocator()
             stage = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(CHUNK), byte_alignment=128)
             if tidx == 0:
@@ -89,6 +133,34 @@ class PushBandwidth:
                 chunks = Int32(nbytes // Int64(CHUNK))
                 for c in cutlass.range(bidx, chunks, nblk, unroll=1):
                     bulk_store_s2g(dst + Int64(c) * Int64(CHUNK), stage_addr, Int32(CHUNK))
+                bulk_wait_all()
+        else:
+            smem = SmemAllocator()
+            stage = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(CHUNK), byte_alignment=128)
+            mbars = smem.allocate_tensor(Int64, cute.make_layout(2), byte_alignment=8)
+            if tidx == 0:
+                stages = stage.iterator.toint()
+                mbar = mbars.iterator.toint()
+                mbar_init(mbar)
+                mbar_init(mbar + Int32(8))
+                chunks = Int32(nbytes // Int64(HALF))
+                mine = Int32(0)  # my chunks: bidx, bidx + nblk, ...
+                if bidx < chunks:
+                    mine = (chunks - Int32(1) - bidx) // nblk + Int32(1)
+                    bulk_load_g2s(stages, src + Int64(bidx) * Int64(HALF), Int32(HALF), mbar)
+                for j in cutlass.range(mine, unroll=1):
+                    s = j & Int32(1)
+                    if j + Int32(1) < mine:  # the next chunk into the other stage
+                        bulk_wait_read_all()  # the store that read that stage has read it
+                        nxt = Int64(bidx + (j + Int32(1)) * nblk) * Int64(HALF)
+                        bulk_load_g2s(stages + (Int32(1) - s) * Int32(HALF), src + nxt,
+                                      Int32(HALF), mbar + (Int32(1) - s) * Int32(8))
+                    ready = Int32(0)
+                    while ready == Int32(0):
+                        ready = mbar_ready(mbar + s * Int32(8), (j >> Int32(1)) & Int32(1))
+                    fence_proxy_async_shared()
+                    at = Int64(bidx + j * nblk) * Int64(HALF)
+                    bulk_store_s2g(dst + at, stages + s * Int32(HALF), Int32(HALF))
                 bulk_wait_all()
 
 

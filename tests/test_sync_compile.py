@@ -23,7 +23,7 @@ for mode in MODES:
 
 
 def test_barrier_kernels_compile_sm90a():
-    assert compile_in_subprocess(BODY, timeout=300) == 9
+    assert compile_in_subprocess(BODY, timeout=300) == 10
 
 
 def test_region_layout_and_timeout(monkeypatch):

@@ -25,6 +25,11 @@
 #                   and its pieces alone (NCCL all_reduce / all_gather / all_to_all of x, the fused op, the fold);
 #                   from 4 GPUs also the node chain (--ranks-per-node N/2: peer kernels inside each half, NCCL between)
 #   tp-layer        bench_tp_layer.py, bf16 and --fp8: the TP decoder layer in its five forms
+#   push            bench_push.py: GB/s of pushes into the next rank's buffer by CTA count, thread
+#                   stores against TMA bulk copies (issue 13's TMA lever; measurement only)
+#   shared-world    RANKS ranks (default 8) sharing the N GPUs (DISTNORM_SHARE_GPUS=1, time-sliced):
+#                   the all-reduce, forms and row-split GPU tests at a world size no machine lends
+#                   (issue 14); correctness only
 #   rs-forms        the reduce-scatter's forms (NOTE [reduce-scatter rounds]: serial, pipelined,
 #                   pipelined-2 / -8 / -16 / -32 / -g2 / -g4): the forms and row-split GPU tests,
 #                   then bench_seqpar's gathered forms and the reduce-scatter alone at 512-16384
@@ -94,6 +99,11 @@ case $STEP in
   fallback) rpn=(); [ "$N" -ge 4 ] && rpn=(--ranks-per-node $((N / 2)))  # and the node chain of two N/2-GPU "nodes"
       run fallback torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_fallback.py --buffer-mib 256 \
       --parts "${rpn[@]}" --out "$OUT/fallback_$tag" ;;
+  push) run push torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_push.py \
+      --out "$OUT/push_$tag" ;;
+  shared-world) DISTNORM_SHARE_GPUS=1 run shared_world torchrun --master-port "$PORT" \
+      --nproc-per-node "${RANKS:-8}" -m pytest tests/multigpu/test_allreduce_gpu.py \
+      tests/multigpu/test_forms_gpu.py tests/multigpu/test_rowsplit_gpu.py -q -rfs -p no:cacheprovider ;;
   tp-layer) run tp_layer torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_tp_layer.py --model 8b \
       --out "$OUT/tp_layer_$tag"
             run tp_layer_fp8 torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_tp_layer.py --model 8b --fp8 \
@@ -139,6 +149,7 @@ case $STEP in
       done
       exit $rc ;;
   *) echo "STEP=$STEP: expected one of list, pairs, tests-torchrun, tests-mpirun, tests-plain," \
-          "faults, allreduce, seqpar, fallback, tp-layer, rs-forms, faults-ab, tuning, twoshot-forms, ab," \
+          "faults, allreduce, seqpar, fallback, tp-layer, push, shared-world, rs-forms, faults-ab, tuning," \
+          "twoshot-forms, ab," \
           "tree-tests" >&2; exit 2 ;;
 esac

@@ -28,8 +28,8 @@
 #   push            bench_push.py: GB/s of pushes into the next rank's buffer by CTA count, thread
 #                   stores against TMA bulk copies (issue 13's TMA lever; measurement only)
 #   shared-world    RANKS ranks (default 8) sharing the N GPUs (DISTNORM_SHARE_GPUS=1, time-sliced):
-#                   the all-reduce, forms and row-split GPU tests at a world size no machine lends
-#                   (issue 14); correctness only
+#                   the all-reduce, forms and row-split GPU tests (FILES="..." others) at a world
+#                   size no machine lends (issue 14); correctness only
 #   rs-forms        the reduce-scatter's forms (NOTE [reduce-scatter rounds]: serial, pipelined,
 #                   pipelined-2 / -8 / -16 / -32 / -g2 / -g4): the forms and row-split GPU tests,
 #                   then bench_seqpar's gathered forms and the reduce-scatter alone at 512-16384
@@ -101,9 +101,9 @@ case $STEP in
       --parts "${rpn[@]}" --out "$OUT/fallback_$tag" ;;
   push) run push torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_push.py \
       --out "$OUT/push_$tag" ;;
-  shared-world) DISTNORM_SHARE_GPUS=1 run shared_world torchrun --master-port "$PORT" \
-      --nproc-per-node "${RANKS:-8}" -m pytest tests/multigpu/test_allreduce_gpu.py \
-      tests/multigpu/test_forms_gpu.py tests/multigpu/test_rowsplit_gpu.py -q -rfs -p no:cacheprovider ;;
+  shared-world) read -ra files <<< "${FILES:-tests/multigpu/test_allreduce_gpu.py tests/multigpu/test_forms_gpu.py tests/multigpu/test_rowsplit_gpu.py}"
+      DISTNORM_SHARE_GPUS=1 run shared_world torchrun --master-port "$PORT" \
+      --nproc-per-node "${RANKS:-8}" -m pytest "${files[@]}" -q -rfs -p no:cacheprovider ;;
   tp-layer) run tp_layer torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_tp_layer.py --model 8b \
       --out "$OUT/tp_layer_$tag"
             run tp_layer_fp8 torchrun --master-port "$PORT" --nproc-per-node "$N" benchmarks/bench_tp_layer.py --model 8b --fp8 \

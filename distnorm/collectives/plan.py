@@ -305,7 +305,9 @@ TUNING_FORMS = {algo: ((AUTO_FORM,) + forms if algo in SIZED_FORMS else forms)
 # epilogue, NOTE [gather in the epilogue], the rest as "peers"), "peers" (the row gather kernel),
 # "nccl". The peers beat NCCL's all_gather at every size measured on 2 x H200 (FP8 at 512 x 8192
 # 35.4 vs 46.5 us, 16384 x 8192 796 vs 806: seqpar_h200_x2.md).
-GATHER_BY = ("epilogue-swizzled", "epilogue", "peers", "nccl")
+# the modes in which the reduce-scatter kernel gathers q in its epilogue (when it fits)
+GATHERS_IN_EPILOGUE = ("epilogue-swizzled", "epilogue")
+GATHER_BY = GATHERS_IN_EPILOGUE + ("peers", "nccl")
 # DISTNORM_NOPEER_FORM (collectives/nopeer.py, NOTE [no-peer forms]): "auto" (by byte count, the
 # default) or a forced form
 NOPEER_FORMS = ("auto", "gather", "split", "split-h")

@@ -338,9 +338,10 @@ def _q_in_epilogue(ws: Workspace, spec: QuantSpec, M: int, H: int,
     its shard's view, and torch gives an empty view address 0). Every rank computes it from the
     same call and workspace, so they agree."""
     from distnorm.collectives.layout import lamport_split, push_half
+    from distnorm.collectives.plan import GATHERS_IN_EPILOGUE
     from distnorm.collectives.state import state_of
 
-    if state_of(ws).tuning.gather_by not in ("epilogue", "epilogue-swizzled"):
+    if state_of(ws).tuning.gather_by not in GATHERS_IN_EPILOGUE:
         return False
     q_row_bytes = q_shape(spec, 1, H)[1]  # one byte per element or per two (packed fp4)
     general = lamport_split(ws.buffer_bytes)[0]

@@ -104,8 +104,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 # absolute imports: the 4.3.5 DSL preprocessor needs them
 from distnorm.formats import swizzled_offset
 from distnorm.kernels.sync import (ld_volatile_sys_u32, ld_volatile_sys_v4_u32, ld_weak_u32,
-                                  ld_weak_v4_u32, st_volatile_sys_v4_u32, st_volatile_u32,
-                                  st_weak_u32, st_weak_v4_u32)
+                                  ld_weak_v4_u32, st_weak_u32, st_weak_v4_u32)
 
 __all__ = ["ReduceScatter", "RS_FORM_ROUNDS", "RS_ALGOS", "COPY_BATCH"]
 
@@ -125,13 +124,13 @@ RS_FORM_ROUNDS = {"serial": 1, "pipelined": 4, "pipelined-8": 8, "pipelined-16":
 COPY_BATCH = 4
 
 
-def _unit_store(addr: Int64, val: tuple, weak: bool = False) -> None:
-    """Store one loaded unit (4 words: 16 bytes, 1 word: 4 bytes) at addr (weak: NOTE [weak
-    gather copies])."""
+def _unit_store(addr: Int64, val: tuple) -> None:
+    """Store one loaded unit (4 words: 16 bytes, 1 word: 4 bytes) at addr, weakly (NOTE [weak
+    gather copies]: every store of the gather's copies is read after a barrier or the kernel)."""
     if len(val) == 4:
-        (st_weak_v4_u32 if weak else st_volatile_sys_v4_u32)(addr, *val)
+        st_weak_v4_u32(addr, *val)
     else:
-        (st_weak_u32 if weak else st_volatile_u32)(addr, val[0])
+        st_weak_u32(addr, val[0])
 
 
 class ReduceScatter:
@@ -273,7 +272,7 @@ class ReduceScatter:
                             for s in cutlass.range_constexpr(self.world):
                                 if Int32(s) != rank:
                                     _unit_store(mBuf[self.world + s] + parts[p][1]
-                                                + Int64(u) * Int64(unit), loaded[p][k], True)
+                                                + Int64(u) * Int64(unit), loaded[p][k])
 
     def _swizzled_unit_store(self, full_s: Int64, row: Int32, u: Int32, unit: int,
                              val: tuple) -> None:
@@ -378,5 +377,4 @@ class ReduceScatter:
                                 self._swizzled_unit_store(s_base, global_rows[c], u, unit,
                                                           loaded[c][k])
                             else:
-                                _unit_store(dsts[c][0] + Int64(u) * Int64(unit), loaded[c][k],
-                                            True)
+                                _unit_store(dsts[c][0] + Int64(u) * Int64(unit), loaded[c][k])

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from harness import MULTIGPU_MARKS, Expectations, gathered_check
+from distnorm.collectives.plan import GATHERS_IN_EPILOGUE
 from distnorm.launch import run_distributed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -356,7 +357,7 @@ def _body_seqpar_rows() -> None:
                            f"{tag}: row gather launched {state.row_gathers - launches} times")
                     # NOTE [gather in the epilogue]: q gathered by the reduce-scatter kernel
                     last_shard = M - (peer.world_size - 1) * -(-M // peer.world_size)
-                    in_epilogue = (by_peers and gather_by in ("epilogue", "epilogue-swizzled")
+                    in_epilogue = (by_peers and gather_by in GATHERS_IN_EPILOGUE
                                    and quant is not None and last_shard > 0)
                     expect((state.epilogue_gathers > fused) == in_epilogue,
                            f"{tag}: {state.epilogue_gathers - fused} reduce-scatters gathered q")

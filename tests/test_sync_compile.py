@@ -118,16 +118,16 @@ def test_algorithm_form_tuning(monkeypatch):
     assert [RS_FORM_ROUNDS[f] for f in REDUCESCATTER_FORMS] == [1, 4, 8, 16, 32, 2, -2, -4]
     # packed FP4 has its own ladder by world size (the kernel key picks it)
     from distnorm.formats import make_quant_spec
-    sizes = (8 << 20, 32 << 20, 64 << 20, 128 << 20, 256 << 20)
-    for quant, world, want in (("nvfp4", 2, ["serial"] * 2 + ["pipelined-8", "pipelined-16",
-                                                          "pipelined-32"]),
-                               ("nvfp4", 4, ["pipelined", "serial", "serial", "pipelined",
-                                             "pipelined"]),
-                               ("nvfp4", 8, ["pipelined", "serial", "serial", "pipelined",
-                                             "pipelined"]),
-                               ("fp8", 4, ["serial"] * 3 + ["pipelined"] * 2),
-                               ("fp8", 2, ["serial", "serial", "pipelined", "pipelined-8",
-                                           "pipelined-8"])):
+    sizes = (8 << 20, 16 << 20, 32 << 20, 64 << 20, 128 << 20, 256 << 20)
+    for quant, world, want in (("nvfp4", 2, ["serial", "pipelined-g4", "pipelined-g2",
+                                             "pipelined-8", "pipelined-16", "pipelined-32"]),
+                               ("nvfp4", 4, ["pipelined", "serial", "serial", "serial",
+                                             "pipelined", "pipelined"]),
+                               ("nvfp4", 8, ["pipelined", "serial", "serial", "serial",
+                                             "pipelined", "pipelined"]),
+                               ("fp8", 4, ["serial"] * 4 + ["pipelined"] * 2),
+                               ("fp8", 2, ["serial"] * 3 + ["pipelined", "pipelined-8",
+                                                           "pipelined-8"])):
         spec = make_quant_spec(quant)
         keys = [allreduce_kernel_key("rsgather", world, torch.bfloat16, 8192, spec, True, False,
                                      False, False, auto, n) for n in sizes]
@@ -189,7 +189,7 @@ def test_algorithm_form_tuning(monkeypatch):
     assert state.tuning.twoshot_form == "pull" and not state._calls and not state._grid_caps
 
 
-@pytest.mark.parametrize("table", ["seqpar_pipe32_h200_x2", "seqpar_table_h200_x4"])
+@pytest.mark.parametrize("table", ["seqpar_forms_swz_h200_x2", "seqpar_table_h200_x4"])
 def test_gathered_forms_are_the_fastest_of_the_latest_table(table, monkeypatch):
     """The latest committed sequence-parallel table per world size (the gathering reduce-scatter
     forced into each form the table has, static FP8 and NVFP4): the form `auto` picks for each row

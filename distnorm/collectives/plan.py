@@ -245,6 +245,12 @@ ALGORITHM_FORMS = {"twoshot": TWOSHOT_FORMS, "lamport": LAMPORT_FORMS,
 # against pipelined-8's 290.9-291.2) and 32 from 256 MiB (16384 x 8192 547.1-547.6 against 553.1-
 # 553.5); 1-byte codes at about four (pipelined-8 stays). A round of a single row group is a cliff
 # (8192 x 4096 with 16 rounds: 177.3 against 153.9; 32 rounds at 128 MiB: 346.4 against 284.2).
+# Under the kernel-swizzled scales (Tuning.gather_by "epilogue-swizzled", the default), every form
+# forced at 2 ranks (benchmarks/results/seqpar_forms_swz_h200_x2.md, 2026-11-28): packed FP4 at 16
+# MiB is fastest in rounds of at most four row groups (2048 x 4096: "pipelined-g4" 44.3 us against
+# serial's 47.0, g2 45.4) and at 32 MiB of two (2048 x 8192: "pipelined-g2" 81.2 against 83.3),
+# hence those two rungs; the larger rungs stay (g2 within 0.5 % of them there), 1-byte codes keep
+# theirs (every form within 0.4 us of serial at 16 and 32 MiB).
 # sized_ladder picks the ladder.
 _TWOSHOT_WORLD4 = ((0, "push-wide"), (16 << 20, "pull"), (32 << 20, "push"),
                    (64 << 20, "push-rounds"))
@@ -252,7 +258,8 @@ SIZED_FORMS = {"reducescatter": {0: ((0, "serial"), (32 << 20, "pipelined"))},
                "rsgather": {2: ((0, "serial"), (64 << 20, "pipelined"),
                                 (128 << 20, "pipelined-8")),
                             4: ((0, "serial"), (128 << 20, "pipelined"))},
-               "rsgather_fp4": {2: ((0, "serial"), (64 << 20, "pipelined-8"),
+               "rsgather_fp4": {2: ((0, "serial"), (16 << 20, "pipelined-g4"),
+                                    (32 << 20, "pipelined-g2"), (64 << 20, "pipelined-8"),
                                     (128 << 20, "pipelined-16"), (256 << 20, "pipelined-32")),
                                 4: ((0, "serial"), (8 << 20, "pipelined"), (16 << 20, "serial"),
                                     (128 << 20, "pipelined"))},

@@ -21,12 +21,12 @@ rs_rounds8_ab_h200_x{2,4}.md; likely, not timed apart: at 4 ranks a round's barr
 peers and costs more than the round hides), "pipelined-16" and "pipelined-32" up to 16 and 32
 (packed FP4 at 2 ranks is fastest with about two row groups per round, 1-byte codes with about
 four; a round of one row group is much slower: collectives/plan.py's ladder notes), and
-"pipelined-2" up to 2 (in no ladder yet: for 2048-row calls, where a CTA has 4-8 row groups and
-"pipelined" cuts them into rounds of one or two). "pipelined-g2" and "pipelined-g4" (in no ladder
-yet) say the rule directly: rounds of at most 2 or 4 row groups, as many as that takes; at 2
-ranks they would pick, row for row, the fastest forced form of every measured gathered call from
-8192 rows (g2 for packed FP4, g4 for 1-byte codes), to be confirmed with 2048-row calls and other
-H. Every
+"pipelined-2" up to 2 (in no ladder: for 2048-row calls, where a CTA has 4-8 row groups and
+"pipelined" cuts them into rounds of one or two; it won nowhere). "pipelined-g2" and "pipelined-g4"
+say the rule directly: rounds of at most 2 or 4 row groups, as many as that takes; at 2 ranks they
+pick, row for row, the fastest forced form of every measured gathered call from 8192 rows (g2 for
+packed FP4, g4 for 1-byte codes), and the 2-rank packed-FP4 ladder takes g4 at 16 MiB and g2 at
+32 MiB (2048-row calls; collectives/plan.py). Every
 rank's same-index CTA has the same groups (push_groups, grid and index agree: the signature says
 so), hence the same rounds and barriers. A round only reads slot rows its peers
 pushed before that round's barrier, and the rows of round r + 1 are others, so no read meets a

@@ -80,6 +80,22 @@ _PLAN = pytest.StashKey[ShardPlan]()
 _TALLY = pytest.StashKey[CompileTally]()
 
 
+class _FailuresNamedAtOnce:
+    """Under a launcher, names a failing test on stderr when it fails, not only in the summary:
+    the ranks' progress characters interleave, and a run that a time limit kills never prints the
+    summary (2026-11-28, 4 ranks on a cold kernel cache: nine F's and no names). The rank is
+    taken at configure time: a per-process test runs without the launcher's variables."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed:
+            sys.stderr.write(f"\ndistnorm: rank {self.rank}: FAILED {report.nodeid} "
+                             f"({report.when}, {report.duration:.1f} s)\n")
+            sys.stderr.flush()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     import logging
 
@@ -90,6 +106,7 @@ def pytest_configure(config: pytest.Config) -> None:
     env = detect_launch_env()
     if not env.is_multiprocess:
         return
+    config.pluginmanager.register(_FailuresNamedAtOnce(env.rank), "distnorm-failures-named")
     import torch
 
     if torch.cuda.is_available():  # single-GPU tests use "cuda", the current device: this rank's own

@@ -152,3 +152,34 @@ def test_host_timeout_from_the_environment(monkeypatch):
         Tuning.from_env()
     with pytest.raises(ValueError, match="host_timeout_s"):
         Tuning(host_timeout_s=0)
+
+
+def test_fault_tests_list_every_kernel_they_launch(monkeypatch):
+    """The fault tests' kernels are compiled ahead (their kernel_keys): a rank that compiles one
+    inside a test makes its peers' kernels time out (2 s there). At 4 and 8 ranks two-shot's form
+    and rows per CTA go by M x H, so the keys must be the planned ones of every call the tests
+    make (a cold-cache 4-rank run failed, 2026-11-28, while keys made without M passed warm)."""
+    import importlib
+    import os
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "multigpu"))
+    import test_faults_gpu as f
+    spawn = importlib.import_module("distnorm.launch.spawn")  # the package's `spawn` is a function
+
+    for world in (2, 4, 8):
+        monkeypatch.setattr(spawn, "launch_world_size", lambda w=world: w)
+        tuning = f._tuning()
+        mismatch = set(f.kernel_keys("test_mismatched_calls_then_recovery", {}))
+        leaves = set(f.kernel_keys("test_rank_that_leaves", {}))
+        calls = [{}] + [{"M": m} for m in f.GOOD_ROWS]
+        for algo in f.ALGOS:
+            for kw in calls:
+                key = ("allreduce", *f._call_key(world, algo, tuning, **kw))
+                assert key in leaves and key in mismatch, (world, algo, kw)
+            for field, sides in f.MISMATCHES.items():
+                for kw in sides:
+                    assert ("allreduce", *f._call_key(world, algo, tuning, **kw)) in mismatch, \
+                        (world, algo, field, kw)
+    # what the keys without M missed at 4 ranks: two-shot's kernel differs with the size
+    assert f._call_key(4, "twoshot", tuning, M=600) != f._call_key(4, "twoshot", tuning)
+    assert f._call_key(4, "twoshot", tuning, H=8192) != f._call_key(4, "twoshot", tuning)

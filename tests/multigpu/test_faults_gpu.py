@@ -25,6 +25,13 @@ pytestmark = MULTIGPU_MARKS
 TIMEOUT_S = 400
 KERNEL_TIMEOUT_S, HOST_TIMEOUT_S = 2.0, 3.0
 ALGOS = ("oneshot", "twoshot", "lamport")
+GOOD_ROWS = (1, 37, 600)  # _good_calls' sizes: every algorithm meets every one
+
+
+def _buffer_bytes(world: int) -> int:
+    """The tests' workspace: 16 MiB, twice that at 8 ranks (one-shot's NVFP4 chunk of 128 rows of
+    every rank, what lamport's NVFP4 call at 128 rows falls back to, needs more than 16 there)."""
+    return (16 << 20) * max(1, world // 4)
 
 
 def _tuning():
@@ -34,9 +41,9 @@ def _tuning():
 
 def _workspace():
     from distnorm.collectives.state import AllReduceState
-    from distnorm.comm import Workspace
+    from distnorm.comm import Workspace, resolve_bootstrap
 
-    ws = Workspace(buffer_bytes=16 << 20)
+    ws = Workspace(buffer_bytes=_buffer_bytes(resolve_bootstrap(None).world_size))
     assert ws.p2p_ok, ws.fallback_reason
     tuning = _tuning()
     ws.op_state("allreduce", lambda: AllReduceState(tuning))
@@ -60,28 +67,33 @@ def _call(ws, algo, M=128, H=4096, quant="fp8_per_token", seed=0):
                                             **kw)
 
 
-def _call_key(world: int, algo: str, tuning, H: int = 4096, quant: str = "fp8_per_token") -> tuple:
-    """compiled_allreduce's arguments for the kernel _call launches."""
-    from distnorm.collectives.dispatch import allreduce_kernel_key
+def _call_key(world: int, algo: str, tuning, H: int = 4096, quant: str = "fp8_per_token",
+              M: int = 128) -> tuple:
+    """compiled_allreduce's arguments for the kernel _call launches, as the call plans it: at 4
+    and 8 ranks two-shot's form and rows per CTA go by M x H (2026-11-28: keys made without M
+    missed two-shot at 600 x 4096 and 128 x 8192 there, which then compiled inside the tests on a
+    cold cache while the peers' kernels timed out)."""
+    from distnorm.collectives.dispatch import planned_kernel_key
     from distnorm.formats import make_quant_spec
 
-    return allreduce_kernel_key(algo, world, torch.bfloat16, H, make_quant_spec(quant), True,
-                                False, False, False, tuning)
+    return planned_kernel_key(algo, world, M, H, torch.bfloat16, _buffer_bytes(world),
+                              make_quant_spec(quant), True, False, False, False, False, tuning)[2]
 
 
-def _precompile(ws, algo: str, H: int = 4096, quant: str = "fp8_per_token") -> None:
+def _precompile(ws, algo: str, H: int = 4096, quant: str = "fp8_per_token", M: int = 128) -> None:
     """Compile the kernel _call launches (no collective), so that timed calls exclude compiling."""
     from distnorm.collectives.state import state_of
     from distnorm.kernels.compile_allreduce import compiled_allreduce
 
-    compiled_allreduce(*_call_key(ws.world_size, algo, state_of(ws).tuning, H, quant))
+    compiled_allreduce(*_call_key(ws.world_size, algo, state_of(ws).tuning, H, quant, M))
 
 
 def kernel_keys(test: str, params: dict) -> list[tuple]:
     """The kernels of these tests (distnorm.kernels.precompile keys), which tests/conftest.py
     compiles ahead, spread over the ranks (the tests then load them from the kernel cache): every
-    algorithm's _call kernel; for the mismatch test also at H = 8192, NVFP4, and two-shot and
-    lamport in their second form. A key missed here is compiled where it is used."""
+    algorithm's _call kernel at the default M and at _good_calls' sizes; for the mismatch test
+    also at H = 8192, NVFP4, the rows it mismatches, and two-shot and lamport in their second form.
+    A key missed here is compiled where it is used."""
     import dataclasses
 
     from distnorm.collectives.plan import ALGORITHM_FORMS
@@ -91,10 +103,10 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     if world < 2:
         return []
     tuning = _tuning()
-    keys = [_call_key(world, algo, tuning) for algo in ALGOS]
+    keys = [_call_key(world, algo, tuning, M=M) for algo in ALGOS for M in (128,) + GOOD_ROWS]
     if test == "test_mismatched_calls_then_recovery":
         keys += [_call_key(world, algo, tuning, **kw) for algo in ALGOS
-                 for kw in ({"H": 8192}, {"quant": "nvfp4"})]
+                 for field in MISMATCHES for kw in MISMATCHES[field]]
         keys += [_call_key(world, algo, dataclasses.replace(
                      tuning, **{f"{algo}_form": ALGORITHM_FORMS[algo][1]}))
                  for algo in ("twoshot", "lamport")]
@@ -112,12 +124,13 @@ def _good_calls(ws, n: int) -> None:
     from distnorm.comm import resolve_bootstrap
 
     for algo in ALGOS:  # a rank compiling while its peer waits in a kernel would time out (2 s here)
-        _precompile(ws, algo)
+        for M in GOOD_ROWS:
+            _precompile(ws, algo, M=M)
     # ranks' compile caches differ (rank 0 compiled the failed call's kernel already): without this
     # barrier one rank's first kernel waits out its timeout while the other still compiles
     resolve_bootstrap(None).barrier()
     for i in range(n):
-        M = (1, 37, 600)[(i // 3) % 3]  # every algorithm meets every size
+        M = GOOD_ROWS[(i // 3) % 3]  # every algorithm meets every size
         x, res, w, out = _call(ws, ALGOS[i % 3], M=M, seed=i)
         if i % 100 == 99:
             parts = all_gather_tensors(x)

@@ -161,6 +161,7 @@ def test_fault_tests_list_every_kernel_they_launch(monkeypatch):
     make (a cold-cache 4-rank run failed, 2026-11-28, while keys made without M passed warm)."""
     import importlib
     import os
+    import sys
 
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "multigpu"))
     import test_faults_gpu as f
@@ -183,3 +184,4 @@ def test_fault_tests_list_every_kernel_they_launch(monkeypatch):
     # what the keys without M missed at 4 ranks: two-shot's kernel differs with the size
     assert f._call_key(4, "twoshot", tuning, M=600) != f._call_key(4, "twoshot", tuning)
     assert f._call_key(4, "twoshot", tuning, H=8192) != f._call_key(4, "twoshot", tuning)
+    sys.modules.pop("test_faults_gpu", None)

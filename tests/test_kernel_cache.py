@@ -267,3 +267,47 @@ def test_multi_gpu_keys_follow_the_calls_sizes(monkeypatch):
     finally:
         for name in ("test_allreduce_gpu", "allreduce_cases"):
             sys.modules.pop(name, None)
+
+
+_KEYS_AT_EVERY_WORLD = r"""
+import importlib, sys
+import pytest
+sys.path[:0] = [{tests!r}]
+from precompile_keys import keys_of
+
+class KeysAtEveryWorld:
+    def pytest_collection_finish(self, session):
+        spawn = importlib.import_module("distnorm.launch.spawn")
+        for world in (2, 4, 8):
+            spawn.launch_world_size = lambda w=world: w
+            for item in session.items:
+                try:
+                    n = len(keys_of([item])[1])
+                except Exception as e:  # a call that cannot be planned at this world size
+                    print("FAILED", world, item.nodeid, repr(e)[:300])
+                else:
+                    print("KEYS", world, item.nodeid, n)
+
+pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", {multigpu!r}],
+            plugins=[KeysAtEveryWorld()])
+"""
+
+
+def test_multi_gpu_kernel_lists_plan_at_every_world_size():
+    """Every multi-GPU test's kernel list (what tests/conftest.py compiles ahead) can be made at
+    2, 4 and 8 ranks: its calls plan there (a workspace too small for a world size raises when
+    planned: the fault tests' 16 MiB could not hold one-shot's NVFP4 chunk at 8 ranks), so the
+    suite's first 8-rank run does not fail at collection. Collected in a subprocess."""
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = _KEYS_AT_EVERY_WORLD.format(tests=tests, multigpu=os.path.join(tests, "multigpu"))
+    env = {**os.environ, "DISTNORM_KERNEL_CACHE": "0"}  # collect only: no precompile on a GPU
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, cwd=os.path.dirname(tests), env=env).stdout
+    failed = [line for line in out.splitlines() if line.startswith("FAILED")]
+    listed = [line for line in out.splitlines() if line.startswith("KEYS")]
+    assert not failed, failed
+    assert len(listed) >= 3 * 40, out[-2000:]  # every multi-GPU test at every world size
+    assert any(line.startswith("KEYS 8 ") and not line.endswith(" 0") for line in listed)

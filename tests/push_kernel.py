@@ -25,11 +25,11 @@ import functools
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
 from distnorm.kernels import compat, sync
 from distnorm.kernels.compat import SmemAllocator
-from distnorm.kernels.ptx import inline_asm, ir_i32, ir_i64
+from distnorm.kernels.ptx import inline_asm, ir_i32, ir_i64, mbarrier_try_wait
 
 THREADS = 128
 UNROLL = 4
@@ -77,15 +77,6 @@ def bulk_load_g2s(saddr, gaddr, nbytes, mbar, *, loc=None, ip=None) -> None:
                "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$3], $2;\n\t"
                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, "
                "[$3];", "r,l,r,r,~{memory}", True)
-
-
-@dsl_user_op
-def mbar_ready(mbar, parity, *, loc=None, ip=None) -> Int32:
-    """1 when the mbarrier's phase of the given parity has completed (mbarrier.try_wait.parity)."""
-    return Int32(inline_asm(T.i32(), [ir_i32(mbar, loc, ip), ir_i32(parity, loc, ip)],
-                            "{\n\t.reg .pred p;\n\t"
-                            "mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2;\n\t"
-                            "selp.b32 $0, 1, 0, p;\n\t}", "=r,r,r,~{memory}", True))
 
 
 @dsl_user_op
@@ -157,7 +148,7 @@ class PushBandwidth:
                                       Int32(HALF), mbar + (Int32(1) - s) * Int32(8))
                     ready = Int32(0)
                     while ready == Int32(0):
-                        ready = mbar_ready(mbar + s * Int32(8), (j >> Int32(1)) & Int32(1))
+                        ready = mbarrier_try_wait(mbar + s * Int32(8), (j >> Int32(1)) & Int32(1))
                     fence_proxy_async_shared()
                     at = Int64(bidx + j * nblk) * Int64(HALF)
                     bulk_store_s2g(dst + at, stages + s * Int32(HALF), Int32(HALF))

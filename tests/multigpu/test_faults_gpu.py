@@ -106,7 +106,7 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     keys = [_call_key(world, algo, tuning, M=M) for algo in ALGOS for M in (128,) + GOOD_ROWS]
     if test == "test_mismatched_calls_then_recovery":
         keys += [_call_key(world, algo, tuning, **kw) for algo in ALGOS
-                 for field in MISMATCHES for kw in MISMATCHES[field]]
+                 for sides in MISMATCHES.values() for kw in sides]
         keys += [_call_key(world, algo, dataclasses.replace(
                      tuning, **{f"{algo}_form": ALGORITHM_FORMS[algo][1]}))
                  for algo in ("twoshot", "lamport")]

@@ -17,6 +17,7 @@ Modes (compile-time):
   its bytes) while chunk j is stored, a stage reloaded only after the store that read it has read
   it (cp.async.bulk.wait_group.read).
 The destination is any global address: a peer's workspace buffer (its contents are scratch).
+The PTX is distnorm/kernels/bulk.py's, which the reduce-scatter's "pipelined-tma" form uses too.
 """
 from __future__ import annotations
 
@@ -25,64 +26,18 @@ import functools
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
-from cutlass.cutlass_dsl import dsl_user_op
 
 from distnorm.kernels import compat, sync
+from distnorm.kernels.bulk import (bulk_load_g2s, bulk_store_s2g, bulk_wait_all, bulk_wait_read_all,
+                                   fence_proxy_async_shared, mbar_init)
 from distnorm.kernels.compat import SmemAllocator
-from distnorm.kernels.ptx import inline_asm, ir_i32, ir_i64, mbarrier_try_wait
+from distnorm.kernels.ptx import mbarrier_try_wait
 
 THREADS = 128
 UNROLL = 4
 CHUNK = 32 << 10  # bytes per bulk copy (static shared memory: under the 48 KiB default)
 HALF = CHUNK // 2  # a stage of "tma-copy"
 MODES = ("st", "tma", "tma-copy")
-
-
-@dsl_user_op
-def bulk_store_s2g(gaddr, saddr, nbytes, *, loc=None, ip=None) -> None:
-    """cp.async.bulk of nbytes (a multiple of 16) from shared-space address saddr to global address
-    gaddr, committed as a bulk group of its own (measurement only: no kernel of the library uses
-    the TMA yet)."""
-    inline_asm(None, [ir_i64(gaddr, loc, ip), ir_i32(saddr, loc, ip), ir_i32(nbytes, loc, ip)],
-               "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;\n\t"
-               "cp.async.bulk.commit_group;", "l,r,r,~{memory}", True)
-
-
-@dsl_user_op
-def bulk_wait_all(*, loc=None, ip=None) -> None:
-    """Wait until every bulk group this thread committed has completed (its writes performed)."""
-    inline_asm(None, [], "cp.async.bulk.wait_group 0;", "~{memory}", True)
-
-
-@dsl_user_op
-def bulk_wait_read_all(*, loc=None, ip=None) -> None:
-    """Wait until every bulk group this thread committed has read its shared-memory source."""
-    inline_asm(None, [], "cp.async.bulk.wait_group.read 0;", "~{memory}", True)
-
-
-@dsl_user_op
-def mbar_init(mbar, *, loc=None, ip=None) -> None:
-    """Initialize the shared-memory mbarrier at mbar for one arrival per phase, visible to the
-    async proxy."""
-    inline_asm(None, [ir_i32(mbar, loc, ip)], "mbarrier.init.shared::cta.b64 [$0], 1;\n\t"
-               "fence.mbarrier_init.release.cluster;", "r,~{memory}", True)
-
-
-@dsl_user_op
-def bulk_load_g2s(saddr, gaddr, nbytes, mbar, *, loc=None, ip=None) -> None:
-    """cp.async.bulk of nbytes from global gaddr into shared saddr; the mbarrier at mbar expects
-    them (its phase completes when they have landed)."""
-    inline_asm(None, [ir_i32(saddr, loc, ip), ir_i64(gaddr, loc, ip), ir_i32(nbytes, loc, ip),
-                      ir_i32(mbar, loc, ip)],
-               "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$3], $2;\n\t"
-               "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, "
-               "[$3];", "r,l,r,r,~{memory}", True)
-
-
-@dsl_user_op
-def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
-    """Order shared memory between the generic and the async (TMA) proxies."""
-    inline_asm(None, [], "fence.proxy.async.shared::cta;", "~{memory}", True)
 
 
 class PushBandwidth:

@@ -4,9 +4,12 @@ the kernels exchange (layout.CALL_W_*), and the 32-bit signature the barrier fla
     word 0  rows of this launch (M of the launch: a chunk of the call's rows)
     word 1  H
     word 2  algorithm | dtype << 4 | residual << 5 | norm output << 6 | all-reduce output << 7 |
-            gemma << 8 | form << 9 | world size << 12 (form: the index of the algorithm's form in
-            plan.ALGORITHM_FORMS, 0 = its default: ranks in different forms would read rows where
-            their peers never wrote them, so the form is part of what they must agree on)
+            gemma << 8 | (form & 7) << 9 | world size << 12 | (form >> 3) << 20 (form: the index
+            of the algorithm's form in plan.ALGORITHM_FORMS, 0 = its default: ranks in different
+            forms would read rows where their peers never wrote them, so the form is part of what
+            they must agree on; its fourth bit, for the reduce-scatter's ninth form, sits above the
+            world size so that the words of forms 0-7, and the kernels' constants, stay as they
+            were)
     word 3  the quantization format (QuantSpec): kind | group size << 4 | swizzled << 12 |
             column-major << 13 | ue8m0 << 14
 
@@ -65,9 +68,11 @@ class CallDescriptor:
             object.__setattr__(self, "form", _forms(self.algo)[0])
 
     def words(self) -> tuple[int, int, int, int]:
+        form = _forms(self.algo).index(self.form)
+        assert form < 16, (self.algo, self.form)  # four bits
         flags = (_algos().index(self.algo) | _DTYPES.index(self.dtype) << 4 | self.residual << 5
                  | self.norm_out << 6 | self.allreduce_out << 7 | self.gemma << 8
-                 | _forms(self.algo).index(self.form) << 9 | self.world << 12)
+                 | (form & 7) << 9 | self.world << 12 | (form >> 3) << 20)
         q = kernel_spec(self.quant)
         qword = (_KINDS.index(q.kind) | q.group_size << 4 | q.swizzled << 12 | q.col_major << 13
                  | q.scale_ue8m0 << 14)
@@ -84,9 +89,10 @@ class CallDescriptor:
             quant = QuantSpec(kind, group, "swizzled" if qword >> 12 & 1 else "linear",
                               "col" if qword >> 13 & 1 else "row", bool(qword >> 14 & 1))
             algo = algos[flags & 0xF]
+            form = (flags >> 9 & 0x7) | (flags >> 20 & 1) << 3
             return cls(rows, hidden, algo, _DTYPES[flags >> 4 & 1],
                        quant, bool(flags >> 5 & 1), bool(flags >> 6 & 1), bool(flags >> 7 & 1),
-                       bool(flags >> 8 & 1), flags >> 12 & 0xFF, _forms(algo)[flags >> 9 & 0x7])
+                       bool(flags >> 8 & 1), flags >> 12 & 0xFF, _forms(algo)[form])
         except IndexError:
             return None
 

@@ -92,6 +92,16 @@ ALLREDUCE = [
     ("rsgather", 2, "bfloat16", 8192, "nvfp4s", True, False, False, False, True, 0, "pipelined-g2"),
     ("rsgather", 4, "bfloat16", 2880, "nvfp4s", True, False, True, False, True, 0, "pipelined"),
     ("rsgather", 4, "bfloat16", 7168, "mxfp8s", True, False, False, False, True, 0),
+    # NOTE [bulk-copy pushes]: x pushed by TMA bulk copies, rounds of one row group (two rows per
+    # CTA at H 4096) and of two (gathered, one row per CTA), world 4 (three peers per stage, a
+    # ragged row); at world 4 and H 4096 a row group passes the stage: thread stores in g2's rounds
+    ("reducescatter", 2, "bfloat16", 4096, "fp8", True, False, False, False, True, 0,
+     "pipelined-tma"),
+    ("rsgather", 2, "bfloat16", 4096, "nvfp4s", True, False, False, False, True, 1,
+     "pipelined-tma"),
+    ("reducescatter", 4, "bfloat16", 1536, "pt", True, False, True, False, True, 0,
+     "pipelined-tma"),
+    ("rsgather", 4, "bfloat16", 4096, "fp8", True, False, False, False, True, 0, "pipelined-tma"),
 ]
 
 # (world, copy unit per segment) of the row gather (kernels/rowgather.py): q alone; q, per-token

@@ -26,6 +26,65 @@ def test_barrier_kernels_compile_sm90a():
     assert compile_in_subprocess(BODY, timeout=300) == 10
 
 
+# NOTE [bulk-copy pushes]: "pipelined-tma" with TMA pushes where a row group fits its stage (world 2
+# at H 4096), else exactly pipelined-g2 (world 4 at H 4096, two rows per CTA: 48 KiB a group; H
+# 32768: 64 KiB a row): the same PTX but for the form's code in the descriptor constants
+BULK_BODY = """
+import os, tempfile
+os.environ["DISTNORM_KEEP_PTX"] = "1"  # the PTX text (--keep-ptx also leaves files in the cwd)
+os.chdir(tempfile.mkdtemp())
+from distnorm.collectives.signature import CallDescriptor, signature_constant
+from distnorm.formats import make_quant_spec
+from distnorm.kernels.compile_allreduce import compiled_allreduce
+fp8 = make_quant_spec("fp8")
+for world, H, bulk in ((2, 4096, True), (4, 4096, False), (2, 32768, False)):
+    ptx = {}
+    for form in ("pipelined-tma", "pipelined-g2"):
+        ptx[form] = compiled_allreduce("reducescatter", world, "bfloat16", H, fp8, True, False,
+                                       False, False, True, 0, form).__ptx__
+        words = CallDescriptor(0, H, "reducescatter", "bfloat16", fp8, True, False, False, False,
+                               world, form).words()
+        for value in (words[2], signature_constant(words)):  # the form's code, as immediates
+            ptx[form] = ptx[form].replace(str(value), "FORM")
+    assert ("cp.async.bulk" in ptx["pipelined-tma"]) == bulk, (world, H)
+    assert "cp.async.bulk" not in ptx["pipelined-g2"]
+    if not bulk:
+        assert ptx["pipelined-tma"] == ptx["pipelined-g2"], (world, H)
+    done.append((world, H))
+"""
+
+
+def test_tma_form_falls_back_to_thread_stores():
+    """NOTE [bulk-copy pushes]: the TMA form's row groups per round (a stage holds the round's rows
+    for every peer, two stages within 48 KiB), and where not one group fits the form is
+    pipelined-g2 (kernel attributes here, the PTX in a subprocess)."""
+    from distnorm.formats import make_quant_spec
+    from distnorm.kernels.allreduce import AllReduceAddRMSNormQuant
+    from distnorm.kernels.bulkpush import bulk_round_groups, bulk_smem_bytes
+    from distnorm.kernels.compile_allreduce import allreduce_tiling, co_resident_ctas_per_sm
+
+    fp8 = make_quant_spec("fp8")
+    # (world, H, rows per CTA (0: choose_tiling's), groups per round): 16 KiB a group at world 2
+    # and H 4096 (two rows per CTA) leaves one a stage, 8 KiB (one row) two; world 4: three peers;
+    # 64-thread CTAs (H 2048, one row) share an SM four ways, so 24 KiB each
+    for world, H, rows, want in ((2, 4096, 0, 1), (2, 4096, 1, 2), (2, 2048, 1, 2),
+                                 (2, 8192, 0, 1), (4, 1536, 0, 1), (4, 1536, 1, 2),
+                                 (4, 2048, 1, 0), (4, 4096, 0, 0), (4, 4096, 1, 0),
+                                 (8, 4096, 1, 0), (2, 32768, 0, 0)):
+        t = allreduce_tiling(H, fp8, rows)
+        per_sm = co_resident_ctas_per_sm(t)
+        assert bulk_round_groups(world, H, t.rows_per_cta, per_sm) == want, (world, H, rows)
+        if want:  # both stages and what the epilogue takes fit, on every CTA of an SM
+            assert (2 * want * (world - 1) * t.rows_per_cta * H * 2 + 1024) * per_sm <= 96 << 10
+            assert 2 * want * (world - 1) * t.rows_per_cta * H * 2 + 1024 <= bulk_smem_bytes(per_sm)
+        for algo in ("reducescatter", "rsgather"):
+            k = AllReduceAddRMSNormQuant(algo, world, t, fp8, True, False, False, False, True,
+                                         "bfloat16", "pipelined-tma")
+            assert (k.bulk_groups, k.rs_rounds) == (want, -want if want else -2), (world, H, rows)
+    assert bulk_round_groups(2, 4100, 1, 2) == 0  # rows of 8200 bytes: not whole 16-byte units
+    assert compile_in_subprocess(BULK_BODY, timeout=300) == 3
+
+
 def test_region_layout_and_timeout(monkeypatch):
     from distnorm.collectives import layout
     from distnorm.collectives.plan import Tuning
@@ -115,7 +174,11 @@ def test_algorithm_form_tuning(monkeypatch):
     # every form has its rounds in the kernel (NOTE [reduce-scatter rounds])
     from distnorm.kernels.reducescatter import RS_FORM_ROUNDS
     assert tuple(RS_FORM_ROUNDS) == REDUCESCATTER_FORMS
-    assert [RS_FORM_ROUNDS[f] for f in REDUCESCATTER_FORMS] == [1, 4, 8, 16, 32, 2, -2, -4]
+    assert [RS_FORM_ROUNDS[f] for f in REDUCESCATTER_FORMS] == [1, 4, 8, 16, 32, 2, -2, -4, -2]
+    # NOTE [bulk-copy pushes]: "pipelined-tma" is in no ladder, reached only when forced
+    assert all(form != "pipelined-tma" for table in SIZED_FORMS.values()
+               for ladder in table.values() for _, form in ladder)
+    assert Tuning(reducescatter_form="pipelined-tma").form("rsgather", 0) == "pipelined-tma"
     # packed FP4 has its own ladder by world size (the kernel key picks it)
     from distnorm.formats import make_quant_spec
     sizes = (8 << 20, 16 << 20, 32 << 20, 64 << 20, 128 << 20, 256 << 20)

@@ -171,11 +171,13 @@ LAMPORT_FORMS = ("poll-all", "poll-unseen")
 # rounds] in kernels/reducescatter.py): "serial" (push everything, one barrier, then the epilogue) or
 # "pipelined" (up to 4 rounds of pushes and barriers per CTA, the epilogue of one round while the
 # next crosses the link), "pipelined-8", "-16" or "-32" (up to 8, 16 or 32 rounds), "pipelined-2"
-# (up to 2), "pipelined-g2" / "-g4" (rounds of at most 2 / 4 row groups, however many); new forms
-# go last, so that the earlier ones keep their descriptor codes. Tuning's default "auto" picks by
-# size (SIZED_FORMS).
+# (up to 2), "pipelined-g2" / "-g4" (rounds of at most 2 / 4 row groups, however many),
+# "pipelined-tma" (pipelined-g2's rounds, or of one row group where a shared-memory stage holds only
+# one, the x pushes issued as TMA bulk copies: NOTE [bulk-copy pushes]; in no ladder, not measured
+# yet); new forms go last, so that the earlier ones keep their descriptor codes. Tuning's default
+# "auto" picks by size (SIZED_FORMS).
 REDUCESCATTER_FORMS = ("serial", "pipelined", "pipelined-8", "pipelined-16", "pipelined-32",
-                       "pipelined-2", "pipelined-g2", "pipelined-g4")
+                       "pipelined-2", "pipelined-g2", "pipelined-g4", "pipelined-tma")
 # How the row gather (kernels/rowgather.py) keeps bytes in flight (NOTE [row gather batches]):
 # "unit" (one 16-byte unit per thread at a time) or "batched" (several loads first, then their
 # stores). Tuning's default "auto" picks by size (SIZED_FORMS).

@@ -56,6 +56,7 @@ from distnorm.collectives.plan import ALGORITHM_FORMS, ALGORITHMS, knob
 from distnorm.collectives.signature import (GRID_MULTIPLIER, SIGNATURE_MULTIPLIER,
                                             CallDescriptor, signature_constant)
 from distnorm.formats import VEC, QuantSpec, pushed_scale_row_bytes, q_shape
+from distnorm.kernels.bulkpush import BULK_FORM, bulk_round_groups
 from distnorm.kernels.lamport import LamportOneShot
 from distnorm.kernels.compat import SmemAllocator
 from distnorm.kernels.norm_quant import NormQuantCore
@@ -115,6 +116,14 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
         self.poll_unseen = algo == "lamport" and form == "poll-unseen"
         # NOTE [reduce-scatter rounds]
         self.rs_rounds = RS_FORM_ROUNDS[form] if algo in RS_ALGOS else 1
+        # NOTE [bulk-copy pushes]: row groups per round of the TMA pushes, 0 = thread stores
+        self.bulk_groups = 0
+        if algo in RS_ALGOS and form == BULK_FORM:
+            from distnorm.kernels.compile_allreduce import co_resident_ctas_per_sm
+            self.bulk_groups = bulk_round_groups(world, tiling.hidden, tiling.rows_per_cta,
+                                                 co_resident_ctas_per_sm(tiling))
+            if self.bulk_groups > 0:
+                self.rs_rounds = -self.bulk_groups
         # NOTE [gather in the epilogue]: q's bytes per row, pushed to every peer as it is written
         self.gather_q = algo == "rsgather"
         self.s_row_bytes = 0  # and the scales' with them where their rows are whole 16-byte units
@@ -255,12 +264,13 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
         nblk, _, _ = cute.arch.grid_dim()
         return tidx, bidx, nblk, tidx // self.t.threads_per_row, tidx % self.t.threads_per_row
 
-    def _fragments(self, dtype, mW, mScale, mGS, lane):
+    def _fragments(self, dtype, mW, mScale, mGS, lane, smem=None):
         """What every algorithm starts with: the epilogue's shared-memory partials, zeroed register
         fragments for a row of T (rT), the residual (rR) and float32 h (rH), the quantization
         scalars and this thread's weight vectors (loaded here, early: their latency hides behind
-        the exchange)."""
-        bufs = self.core.allocate_smem(SmemAllocator())
+        the exchange). smem: the allocator to take the partials from when the caller allocates
+        more after them (4.3.5's allocators each start at the same base)."""
+        bufs = self.core.allocate_smem(SmemAllocator() if smem is None else smem)
         rT = self.core.zeros(dtype)
         rR = self.core.zeros(dtype)
         rH = self.core.zeros(Float32)

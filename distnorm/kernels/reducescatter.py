@@ -33,6 +33,36 @@ pushed before that round's barrier, and the rows of round r + 1 are others, so n
 write; the final barrier keeps the next call's pushes off rows still read, as before. The same
 float32 operations per row, so the same bits as "serial".
 
+NOTE [bulk-copy pushes]: "pipelined-tma" (in no ladder: an A/B candidate for 2048-row calls,
+issue 13, docs/SEQPAR_HISTORY.md "The next lever") keeps the pipelined rounds and their barriers
+and moves only the x pushes to the TMA (kernels/bulkpush.py): with thread stores a round costs
+its push's drain plus its finishing plus a barrier, since a thread that stores cannot finish rows
+until its stores leave; a bulk copy leaves the threads free, so a round costs the larger of drain
+and finishing plus a barrier. Right after barrier r - 1, thread 0 issues round r's copies (shared
+memory -> slot `rank` of each peer, a bulk group per (row group, peer)) from a stage that bulk
+loads (x -> shared memory) filled during round r - 1, then issues round r + 1's loads into the
+other stage; the CTA finishes round r - 1 while they drain. Right before barrier r, thread 0 waits
+for the round's writes (cp.async.bulk.wait_group 0) and fences the async proxy against the generic
+one (fence.proxy.async): the barrier's flags are generic st.release.sys stores, cumulative over
+what their threads observed through bar.sync, and the fence orders the async writes, complete for
+thread 0, before thread 0's arrival there; so the peer's acquire covers them as it covers thread
+stores. A fence after each stage's mbarrier wait orders the acquire of the previous barrier (the
+peers' reads of the rows that the copies overwrite came before it) and the landed stage before the
+copies. Two stages, so a round's loads never write the stage its stores read: round r + 1's stage
+held round r - 1, whose writes were waited for before barrier r - 1. Each stage's mbarrier
+completes one phase per load (round r: stage and mbarrier r % 2, parity (r // 2) % 2), with one
+arrival that expects all the round's bytes; every load is waited for, also after a failed barrier
+(which stores nothing more), so no copy into shared memory outlives the CTA. A stage holds a whole
+round, every row group's rows for every peer, since thread 0 cannot feed a stage during the
+round's epilogue (its CTA barriers need it): rounds of at most two row groups (pipelined-g2's),
+one where a stage holds only one, both stages within 48 KiB of shared memory, and within 96 KiB
+for all the CTAs the grid cap puts on one SM (two of 128 threads, four of 64): the barriers need
+the whole grid resident. Where not even one row group fits, or a row is not whole 16-byte units,
+the form is pipelined-g2 with thread stores (a compile-time choice: bulkpush's
+bulk_round_groups). A rank whose x rows are strided (a run-time property, not in the descriptor)
+pushes with thread stores in the same rounds, since the ranks' rounds and barriers must agree.
+The same rows land in the same slots: the same bits as "serial".
+
 NOTE [gather in the epilogue]: algorithm "rsgather" is "reducescatter" (either form) that also
 gathers q for the sequence-parallel op's gather=True: right after a row group's epilogue wrote
 its q rows (into my rows of the full q tensor: the host passes them as a view of it), the CTA
@@ -103,6 +133,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 # absolute imports: the 4.3.5 DSL preprocessor needs them
 from distnorm.formats import swizzled_offset
+from distnorm.kernels.bulkpush import BulkPushes
+from distnorm.kernels.compat import SmemAllocator
 from distnorm.kernels.sync import (ld_volatile_sys_u32, ld_volatile_sys_v4_u32, ld_weak_u32,
                                   ld_weak_v4_u32, st_weak_u32, st_weak_v4_u32)
 
@@ -115,7 +147,9 @@ RS_ALGOS = ("reducescatter", "rsgather")
 # one), or (negative) the most row groups per round; each round costs one more cross-rank barrier
 # (a few us of NVLink latency per CTA)
 RS_FORM_ROUNDS = {"serial": 1, "pipelined": 4, "pipelined-8": 8, "pipelined-16": 16,
-                  "pipelined-32": 32, "pipelined-2": 2, "pipelined-g2": -2, "pipelined-g4": -4}
+                  "pipelined-32": 32, "pipelined-2": 2, "pipelined-g2": -2, "pipelined-g4": -4,
+                  # NOTE [bulk-copy pushes]: -1 where a stage holds one row group only
+                  "pipelined-tma": -2}
 
 # NOTE [batched copies]: the epilogue gather's copies (q and scale rows to the peers, then the
 # other shards' rows out of my q area) issue all of a batch's loads before its stores: a store
@@ -133,10 +167,11 @@ def _unit_store(addr: Int64, val: tuple) -> None:
         st_weak_u32(addr, val[0])
 
 
-class ReduceScatter:
+class ReduceScatter(BulkPushes):
     """The reduce-scatter algorithms of AllReduceAddRMSNormQuant (which provides self.t, self.core,
     self.world, self.rs_rounds, self.gather_q, self.gather_scales, self.gather_swizzled,
-    self.q_row_bytes, self.s_row_bytes, two-shot's _push_slices and the helpers of kernels/allreduce.py)."""
+    self.q_row_bytes, self.s_row_bytes, self.bulk_groups, two-shot's _push_slices and the helpers of
+    kernels/allreduce.py; its TMA pushes come from BulkPushes, kernels/bulkpush.py)."""
 
     @cute.jit
     def _reducescatter(self, mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr,
@@ -162,8 +197,11 @@ class ReduceScatter:
                 pad_from = m  # output's padding rows
             self.core.store_padding_words(mS, pad_from, bidx * Int32(t.threads) + tidx,
                                           nblk * Int32(t.threads))
+        smem = None  # NOTE [bulk-copy pushes]: the stages come from the epilogue's allocator
+        if const_expr(self.bulk_groups > 0):
+            smem = SmemAllocator()
         bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
-                                                                         lane)
+                                                                         lane, smem)
         may_push = self._may_push(own_pad)
         sig = self._describe_launch(own_pad, m)
         push_groups = (slice_rows + t.rows_per_cta - 1) // t.rows_per_cta
@@ -188,8 +226,16 @@ class ReduceScatter:
             # NOTE [reduce-scatter rounds]
             # one round's span of g is `step`
             rounds, step, end = self._rounds(bidx, nblk, push_groups, self.rs_rounds)
-            self._push_slices(mX, mBuf, rank, slice_rows, end, bidx, nblk, row_in_cta, lane, rT,
-                              dtype, may_push)
+            tma = None
+            if const_expr(self.bulk_groups > 0):  # NOTE [bulk-copy pushes]
+                tma = self._bulk_setup(smem, mX, tidx)
+                self._bulk_round(tma, Int32(0), rounds, Int32(0), mX, mBuf, rank, slice_rows,
+                                 push_groups, bidx, nblk, step, row_in_cta, lane, rT, dtype,
+                                 may_push)
+                self._bulk_drain(tma)
+            else:
+                self._push_slices(mX, mBuf, rank, slice_rows, end, bidx, nblk, row_in_cta, lane,
+                                  rT, dtype, may_push)
             failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
             base = mBuf[rank]
             for r in range(rounds):
@@ -198,8 +244,14 @@ class ReduceScatter:
                     end = g0 + 2 * step
                     if end > push_groups:
                         end = push_groups
-                    self._push_slices(mX, mBuf, rank, slice_rows, self._unless_failed(failed, end),
-                                      g0 + step, nblk, row_in_cta, lane, rT, dtype, may_push)
+                    if const_expr(self.bulk_groups > 0):
+                        self._bulk_round(tma, r + 1, rounds, failed, mX, mBuf, rank, slice_rows,
+                                         push_groups, bidx, nblk, step, row_in_cta, lane, rT,
+                                         dtype, may_push)
+                    else:
+                        self._push_slices(mX, mBuf, rank, slice_rows,
+                                          self._unless_failed(failed, end), g0 + step, nblk,
+                                          row_in_cta, lane, rT, dtype, may_push)
                 end = g0 + step
                 if end > push_groups:
                     end = push_groups
@@ -209,6 +261,8 @@ class ReduceScatter:
                                       rH, rR, rT, static_inv, global_scale, bufs, rW, dtype, mBuf,
                                       q_base, s_base)
                 if r + 1 < rounds:
+                    if const_expr(self.bulk_groups > 0):
+                        self._bulk_drain(tma)  # round r + 1's writes before its barrier
                     failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig) | failed
                     if const_expr(self.gather_q):
                         # NOTE [copy-out by rounds]: the barrier ordered every peer's q pushes of

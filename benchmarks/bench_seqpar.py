@@ -14,11 +14,14 @@ gathered for the next GEMM, side by side in one run with the unfused chain and a
                         (Tuning.reducescatter_form; NOTE [reduce-scatter rounds]); _pipe8 / _pipe16
                         / _pipe32 / _pipe2: its "pipelined-8" / -16 / -32 / -2 forms (up to 8 /
                         16 / 32 / 2 rounds per CTA); _g2 / _g4: "pipelined-g2" / -g4 (rounds of
-                        at most 2 / 4 row groups); _batched: the row gather in its "batched"
-                        form (Tuning.rowgather_form; NOTE [row gather batches]); _both: both;
+                        at most 2 / 4 row groups); _tma: "pipelined-tma" (the x pushes as TMA
+                        bulk copies, NOTE [bulk-copy pushes]); _batched: the row gather in its
+                        "batched" form (Tuning.rowgather_form; NOTE [row gather batches]); _both:
+                        both;
                         _r1: one row per CTA in the reduce-scatter (Tuning.rows_per_cta;
                         choose_tiling's gives two at H <= 4096);
-                        _pipe_r1 / _pipe2_r1: pipelined / pipelined-2 with one row per CTA; _c<N>
+                        _pipe_r1 / _pipe2_r1 / _tma_r1: pipelined / pipelined-2 /
+                        pipelined-tma with one row per CTA; _c<N>
                         (with `--rs-ctas N ...`): the reduce-scatter's grid capped at N CTAs
                         (Tuning.max_ctas)
     dn_rs_<fmt>         the same without the gather (the shard's outputs only); dn_rs_<fmt>_pipe in
@@ -69,7 +72,7 @@ FORMATS = ("fp8", "nvfp4")  # timed by default; --formats also takes fp8pt (per-
 # the reduce-scatter's forms (plan.REDUCESCATTER_FORMS) -> their column tag, dn_rs_<fmt>_gather_<tag>
 RS_FORM_TAGS = {"serial": "serial", "pipelined": "pipe", "pipelined-8": "pipe8",
                 "pipelined-16": "pipe16", "pipelined-32": "pipe32", "pipelined-2": "pipe2",
-                "pipelined-g2": "g2", "pipelined-g4": "g4"}
+                "pipelined-g2": "g2", "pipelined-g4": "g4", "pipelined-tma": "tma"}
 
 
 def format_kwargs(fmt: str, device) -> dict:
@@ -164,7 +167,9 @@ def cases(x, res, w, ws, nccl: bool, symm, compiled_tail, formats=FORMATS,
                                                 rowgather_form=rg_form)
         one_row = {**state_of(ws).tuning.rows_per_cta, "reducescatter": 1}
         c[f"dn_rs_{fmt}_gather_r1"] = rs(kw, True, rows_per_cta=one_row)
-        for rs_form in ("pipelined", "pipelined-2"):  # twice the row groups, so twice per round
+        # twice the row groups, so twice per round (pipelined-tma: two per round where a stage
+        # held one)
+        for rs_form in ("pipelined", "pipelined-2", "pipelined-tma"):
             c[f"dn_rs_{fmt}_gather_{RS_FORM_TAGS[rs_form]}_r1"] = rs(
                 kw, True, reducescatter_form=rs_form, rowgather_form="unit", rows_per_cta=one_row)
         for cap in rs_ctas:

@@ -1,7 +1,8 @@
 """The algorithms' forms (distnorm.collectives.plan.ALGORITHM_FORMS: two-shot "push", "pull-gather",
 "pull", NOTE [two-shot forms] in distnorm/kernels/twoshot.py; lamport "poll-all", "poll-unseen",
 NOTE [lamport polls] in distnorm/kernels/lamport.py; the sequence-parallel reduce-scatter's
-REDUCESCATTER_FORMS, "serial" and the pipelined ones, NOTE [reduce-scatter rounds]): each meets the
+REDUCESCATTER_FORMS, "serial" and the pipelined ones, NOTE [reduce-scatter rounds], the TMA one also
+with one row per CTA and a strided x, NOTE [bulk-copy pushes]): each meets the
 reference on every element and every form of an algorithm gives the same bytes (same float32
 operations, other traffic).
 Back-to-back calls that mix the forms with the other algorithms, never synchronized in between,
@@ -47,6 +48,9 @@ ALLREDUCE_FORMS = {a: f for a, f in ALGORITHM_FORMS.items()
 # (format, M, max_ctas): the reduce-scatter's shards; 8 CTAs cut 65 rows into uneven rounds and
 # more rounds than rows, 1000 rows per shard take every CTA of the grid for several groups
 RS_CASES = [("fp8_per_token", 2000, 0), ("nvfp4", 129, 8), ("none", 3, 0), ("mxfp8", 1000, 5)]
+# NOTE [bulk-copy pushes]: besides its default rows per CTA (at H 4096 and 2 ranks a round of one
+# row group), the TMA form with one row per CTA (rounds of two groups, two parts of each stage)
+TMA_FORM, TMA_R1 = "pipelined-tma", "pipelined-tma r1"
 
 
 def _tuned(ws, algo: str, form: str) -> None:
@@ -162,10 +166,13 @@ def _body_reducescatter_forms_agree() -> None:
 
         def run(form, qname, M, max_ctas, gather, x, res, w, kw):
             # the pipelined forms' rows are gathered in the row gather's batched form
+            rows = dict(default.rows_per_cta)
+            if form == TMA_R1:
+                form, rows["reducescatter"] = TMA_FORM, 1
             state.tuning = dataclasses.replace(
                 default, reducescatter_form=form,
                 rowgather_form="unit" if form == "serial" else "batched",
-                max_ctas={"reducescatter": max_ctas} if max_ctas else {})
+                max_ctas={"reducescatter": max_ctas} if max_ctas else {}, rows_per_cta=rows)
             a, b = distnorm.shard_rows(M, ws)
             _poison_free_memory()
             return distnorm.reduce_scatter_add_rmsnorm(x, res[a:b], w, 1e-6, workspace=ws,
@@ -178,13 +185,18 @@ def _body_reducescatter_forms_agree() -> None:
                 want = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws,
                                                       norm_out=True, **kw)
                 a, b = distnorm.shard_rows(M, ws)
+                # a row stride other than H: the TMA form's rank pushes with thread stores
+                strided = torch.empty(M, H + 64, dtype=x.dtype, device=x.device)[:, :H]
+                strided.copy_(x)
                 for gather in (False, True):
                     got = {form: outputs(run(form, qname, M, max_ctas, gather, x, res, w, kw))
-                           for form in REDUCESCATTER_FORMS}
+                           for form in REDUCESCATTER_FORMS + (TMA_R1,)}
+                    got[TMA_FORM + " strided"] = outputs(run(TMA_FORM, qname, M, max_ctas, gather,
+                                                             strided, res, w, kw))
                     torch.cuda.synchronize()
                     ws.raise_if_failed()
                     what = f"{qname} M={M} max_ctas={max_ctas} gather={gather}"
-                    for form in REDUCESCATTER_FORMS[1:]:
+                    for form in list(got)[1:]:
                         for name, p, q in zip(("residual", "y", "q", "scales"),
                                               got[form], got[REDUCESCATTER_FORMS[0]]):
                             assert (p is None) == (q is None) and (p is None or torch.equal(p, q)), \
@@ -260,8 +272,12 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
                 if qname == "none":
                     keys.append(key(algo, form, None, M, False, False, True))
     if test == "test_reducescatter_forms_agree":  # gathered and not; the all-reduce it matches
-        for form in REDUCESCATTER_FORMS:
-            tuning = dataclasses.replace(Tuning.from_env(), reducescatter_form=form)
+        for form in REDUCESCATTER_FORMS + (TMA_R1,):
+            tuning = Tuning.from_env()
+            rows = dict(tuning.rows_per_cta)
+            if form == TMA_R1:
+                form, rows["reducescatter"] = TMA_FORM, 1
+            tuning = dataclasses.replace(tuning, reducescatter_form=form, rows_per_cta=rows)
             keys += [k for qname, M, _ in RS_CASES
                      for k in scatter_keys(world, M, H, quant_spec(qname), (True,), tuning)]
         keys += [launched_key(world, "auto", M, H, quant_spec(qname), True, True, False)

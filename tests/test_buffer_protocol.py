@@ -13,7 +13,10 @@ its own call. With the halves and two barriers the model finds no bad read; with
 before them (gather rows right after the scatter slots) it finds one unless two-shot keeps its
 third barrier -- which is why that barrier existed. The reduce-scatter that gathers q in its
 epilogue (NOTE [gather in the epilogue] in kernels/reducescatter.py) is modelled the same way, in
-both its forms (NOTE [copy-out by rounds]).
+both its forms (NOTE [copy-out by rounds]). So is "roles-tma" (NOTE [reduce-scatter roles by
+TMA]): pusher and finisher CTAs that meet through per-group epoch flags and per-rank completion
+counts in the signal pads instead of barriers ("set" / "wait" / "add" steps below); there the
+checker also looks for states where a wait can never pass.
 """
 from __future__ import annotations
 
@@ -133,6 +136,70 @@ def _rsrounds_steps(world: int, ctas: int, rank: int, S: int, early_copy: bool) 
     return per_cta
 
 
+def _roles_steps(world: int, ctas: int, rank: int, S: int, form: tuple, call: int,
+                 nth: int, gather: bool) -> list:
+    """NOTE [reduce-scatter roles by TMA]: the form "roles-tma", per CTA: CTAs 0 .. P - 1 push,
+    the other F = ctas - P finish; row group g (one row here) is pushed by pusher g % P and
+    finished by finisher g % F, the same CTAs on every rank. form = (P, variant); `call` is the
+    call's index (what its rows carry), `nth` how many roles-tma calls came before it (the epoch
+    of its flags; the finishers' completion count wanted in my pad is (nth + 1) * F).
+
+    A pusher, per group in order and per peer t: my rows of shard t into slot `rank` of t's buffer,
+    then flag ("x", g, rank) in t's pad := epoch; at its end it waits until every peer's
+    completion count in my own pad shows this call's F finishers done (so that the kernel ends only
+    when no peer reads my pushes any more: the next call, of any algorithm, may push again). A
+    finisher, per group: waits for every peer's flag of g, reads the slots, pushes its q rows into
+    every peer's q area (gather); after its last group it adds 1 to the completion count
+    ("done", rank) in every peer's pad; with the gather it then waits for every peer's count and
+    copies its groups' q rows of the other shards out of its own q area.
+
+    Variants (wrong orders, to show the model can fail): "no-flag-wait" (the finisher reads without
+    the flags), "no-end-wait" (no completion wait at all), "start-wait" (the next call's pushers
+    wait for the previous call's count before their first store into a peer, instead of this
+    call's pushers at its end: safe between two roles-tma calls, not before another algorithm),
+    "early-done" (a finisher counts itself done before its last group), "no-copy-wait";
+    "wait-before-done" (the copy-out's wait before the finisher's own count: a hang)."""
+    P, variant = form
+    F = ctas - P
+    peers = [t for t in range(world) if t != rank]
+    want = (nth + 1) * F  # the completion count after this call
+    per_cta = []
+    for b in range(ctas):
+        steps = []
+        if b < P:
+            started = set()
+            for g in range(b, S, P):
+                for t in peers:
+                    if variant == "start-wait" and t not in started and nth > 0:
+                        steps.append(("wait", rank, ("done", t), nth * F))
+                        started.add(t)
+                    steps.append(("write", t, (("L", rank * S + g),)))
+                    steps.append(("set", t, ("x", g, rank), nth))
+            if variant not in ("no-end-wait", "start-wait"):
+                steps += [("wait", rank, ("done", t), want) for t in peers]
+        else:
+            mine = list(range(b - P, S, F))
+            for n, g in enumerate(mine):
+                if variant == "early-done" and n == len(mine) - 1:
+                    steps += [("add", t, ("done", rank)) for t in peers]
+                if variant != "no-flag-wait":
+                    steps += [("wait", rank, ("x", g, t), nth) for t in peers]
+                steps.append(("read", rank, tuple(("L", s * S + g) for s in peers)))
+                if gather:
+                    steps += [("write", t, (("U", rank * S + g),)) for t in peers]
+            done = [("add", t, ("done", rank)) for t in peers]
+            if variant not in ("early-done", "wait-before-done"):
+                steps += done
+            if gather:
+                if variant != "no-copy-wait":
+                    steps += [("wait", rank, ("done", t), want) for t in peers]
+                if variant == "wait-before-done":
+                    steps += done
+                steps.append(("read", rank, tuple(("U", s * S + g) for s in peers for g in mine)))
+        per_cta.append(tuple(steps))
+    return per_cta
+
+
 def _cta_of(cell: tuple, ctas: int, world: int, form) -> int:
     """The CTA that moves a cell: row % ctas; in the wide two-shot forms slice * G + row % G, G =
     ctas / world (NOTE [wide two-shot])."""
@@ -147,7 +214,13 @@ def _program(world: int, ctas: int, calls: list, rank: int, halves: bool,
              final_barrier: bool) -> list:
     """Per call, per CTA: its steps (a cell goes to CTA _cta_of; barriers to every CTA)."""
     prog = []
-    for algo, size, form in calls:
+    roles_calls = 0  # roles-tma calls so far: their epoch (NOTE [reduce-scatter roles by TMA])
+    for call, (algo, size, form) in enumerate(calls):
+        if algo in ("roles", "roles-gather"):
+            prog.append(tuple(_roles_steps(world, ctas, rank, size, form, call, roles_calls,
+                                           algo == "roles-gather")))
+            roles_calls += 1
+            continue
         if algo == "rsrounds":
             prog.append(tuple(_rsrounds_steps(world, ctas, rank, size, form == "early-copy")))
             continue
@@ -172,9 +245,11 @@ def _program(world: int, ctas: int, calls: list, rank: int, halves: bool,
     return prog
 
 
-def _bad_reads(shape: tuple, calls: list, halves: bool, final_barrier: bool) -> set:
+def _bad_reads(shape: tuple, calls: list, halves: bool, final_barrier: bool,
+               stuck: list | None = None) -> set:
     """Every (call, rank, cell) read with another call's index in it, over all interleavings of
-    `shape` = (ranks, CTAs per rank)."""
+    `shape` = (ranks, CTAs per rank). stuck: when given, collects every reachable state where no
+    CTA can move before all calls ended (a wait that can hang)."""
     world, ctas = shape
     progs = [_program(world, ctas, calls, r, halves, final_barrier) for r in range(world)]
     # state: per rank, per CTA: (call, step); buffers: per rank, sorted (cell, call) pairs
@@ -185,12 +260,17 @@ def _bad_reads(shape: tuple, calls: list, halves: bool, final_barrier: bool) -> 
     stack = [start]
     while stack:
         pos, bufs = stack.pop()
+        moved = False
         for r in range(world):
             for b in range(ctas):
                 nxt = _step(progs, pos, bufs, r, b, bad)
+                moved = moved or nxt is not None
                 if nxt is not None and nxt not in seen:
                     seen.add(nxt)
                     stack.append(nxt)
+        if stuck is not None and not moved \
+                and any(pos[r][b][0] < len(progs[r]) for r in range(world) for b in range(ctas)):
+            stuck.append(pos)
     return bad
 
 
@@ -220,6 +300,18 @@ def _step(progs, pos, bufs, r: int, b: int, bad: set):
                     and progs[t][c][b][tj][0] != "barrier":
                 return None
         return _moved(pos, r, b, (c, j + 1)), bufs
+    if kind == "wait":  # a flag or count in a pad (NOTE [reduce-scatter roles by TMA])
+        owner, key, value = rest
+        if dict(bufs[owner]).get(("F",) + key, -1) < value:
+            return None
+        return _moved(pos, r, b, (c, j + 1)), bufs
+    if kind in ("set", "add"):
+        owner, key, *value = rest
+        buf = dict(bufs[owner])
+        buf[("F",) + key] = value[0] if kind == "set" else buf.get(("F",) + key, 0) + 1
+        new_bufs = tuple(tuple(sorted(buf.items())) if t == owner else bufs[t]
+                         for t in range(world))
+        return _moved(pos, r, b, (c, j + 1)), new_bufs
     owner, cells = rest
     buf = dict(bufs[owner])
     if kind == "write":
@@ -381,3 +473,85 @@ def test_copy_out_by_rounds_model_can_fail():
     """With each round's copy before its barrier a rank copies out q rows not yet pushed."""
     calls = [("rsrounds", 4, "early-copy"), ("rsrounds", 4, "early-copy")]
     assert _bad_reads((2, 2), calls, halves=True, final_barrier=False) != set()
+
+
+# NOTE [reduce-scatter roles by TMA] (kernels/rolespush.py): pusher and finisher CTAs, per-group
+# epoch flags and per-rank completion counts instead of same-index barriers; (ranks, CTAs, pushers)
+ROLES_SHAPES = [(2, 2, 1), (2, 3, 1), (2, 3, 2), (3, 2, 1)]
+
+
+def _roles(calls: list, pushers: int, variant: str = "") -> list:
+    """The calls with every roles-tma call's form set to (pushers, variant)."""
+    return [(algo, size, (pushers, variant) if algo.startswith("roles") else form)
+            for algo, size, form in calls]
+
+
+ROLES_SEQUENCES = {
+    "roles-roles": [("roles", 2, None), ("roles", 3, None)],
+    "gather-gather": [("roles-gather", 1, None), ("roles-gather", 2, None)],
+    "roles-gather-roles": [("roles", 2, None), ("roles-gather", 2, None), ("roles", 1, None)],
+    "gather-oneshot": [("roles-gather", 2, None), ("oneshot", 2, None)],
+    "gather-rsgather": [("roles-gather", 2, None), ("rsgather", 2, None)],
+    "rsgather-gather": [("rsgather", 2, None), ("roles-gather", 2, None)],
+    "roles-push": [("roles", 2, None), ("twoshot", 2, "push")],
+    "pull-roles-rounds": [("twoshot", 1, "pull"), ("roles", 2, None), ("rsrounds", 3, None)],
+    "rounds-gather": [("rsrounds", 3, None), ("roles-gather", 2, None)],
+}
+
+
+@pytest.mark.parametrize("shape", ROLES_SHAPES, ids=lambda s: f"{s[0]}ranks{s[1]}ctas{s[2]}p")
+@pytest.mark.parametrize("name", ROLES_SEQUENCES)
+def test_roles_tma_reads_only_its_own_call(name, shape):
+    """Finishers read only slot rows and q rows of their own call, no rank's next call (roles-tma
+    or another algorithm) lands on rows a peer still reads, and no wait can hang."""
+    world, ctas, pushers = shape
+    stuck: list = []
+    bad = _bad_reads((world, ctas), _roles(ROLES_SEQUENCES[name], pushers), halves=True,
+                     final_barrier=False, stuck=stuck)
+    assert bad == set()
+    assert stuck == []
+
+
+@pytest.mark.parametrize("variant,calls", [
+    ("no-flag-wait", [("roles", 2, None)]),
+    ("no-end-wait", [("roles", 2, None), ("roles", 2, None)]),
+    ("no-end-wait", [("roles", 2, None), ("oneshot", 2, None)]),
+    ("start-wait", [("roles", 2, None), ("oneshot", 2, None)]),
+    ("start-wait", [("roles", 2, None), ("rsgather", 2, None)]),
+    ("early-done", [("roles", 2, None), ("roles", 2, None)]),
+    ("no-copy-wait", [("roles-gather", 2, None)]),
+])
+def test_roles_tma_model_can_fail(variant, calls):
+    """Each wait removed (or moved) gives a bad read in some shape: the flags order the slot reads
+    after the pushes, the completion count at the end of a call keeps the next call's pushes (of
+    any algorithm: a wait at the start of the next roles-tma call is not enough) off rows still
+    read, the count after the last read, and the copy-out's wait orders it after the q pushes.
+    (With the gather, the copy-out's wait on every peer's count is that completion wait too.)"""
+    assert any(_bad_reads(shape[:2], _roles(calls, shape[2], variant), halves=True,
+                          final_barrier=False) for shape in ROLES_SHAPES[:3])
+
+
+def test_roles_tma_model_finds_a_hang():
+    """The hang check is not vacuous: finishers that wait for the peers' counts before adding
+    their own wait for each other forever."""
+    stuck: list = []
+    _bad_reads((2, 2), _roles([("roles-gather", 1, None)], 1, "wait-before-done"), halves=True,
+               final_barrier=False, stuck=stuck)
+    assert stuck
+
+
+def test_roles_tma_gather_needs_no_end_wait():
+    """With the gather the copy-out waits for every peer's completion count before the kernel
+    ends, which is all the pushers' end wait gives: without it no bad read, before any algorithm."""
+    for calls in ([("roles-gather", 2, None), ("oneshot", 2, None)],
+                  [("roles-gather", 2, None), ("roles-gather", 2, None)]):
+        assert _bad_reads((2, 3), _roles(calls, 1, "no-end-wait"), halves=True,
+                          final_barrier=False) == set()
+
+
+def test_roles_tma_start_wait_between_roles_calls():
+    """The brief's first design, the next call's pushers waiting for the previous call's count
+    before their first store into a peer, is safe between two roles-tma calls: what fails is only
+    another algorithm after it (test_roles_tma_model_can_fail)."""
+    calls = _roles([("roles-gather", 2, None), ("roles-gather", 3, None)], 1, "start-wait")
+    assert _bad_reads((2, 3), calls, halves=True, final_barrier=False) == set()

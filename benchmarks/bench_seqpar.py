@@ -15,7 +15,9 @@ gathered for the next GEMM, side by side in one run with the unfused chain and a
                         / _pipe32 / _pipe2: its "pipelined-8" / -16 / -32 / -2 forms (up to 8 /
                         16 / 32 / 2 rounds per CTA); _g2 / _g4: "pipelined-g2" / -g4 (rounds of
                         at most 2 / 4 row groups); _tma: "pipelined-tma" (the x pushes as TMA
-                        bulk copies, NOTE [bulk-copy pushes]); _batched: the row gather in its
+                        bulk copies, NOTE [bulk-copy pushes]); _roles: "roles-tma" (pusher CTAs
+                        that push by TMA bulk copies, finisher CTAs that finish row groups as
+                        they land, NOTE [reduce-scatter roles by TMA]); _batched: the row gather in its
                         "batched" form (Tuning.rowgather_form; NOTE [row gather batches]); _both:
                         both;
                         _r1: one row per CTA in the reduce-scatter (Tuning.rows_per_cta;
@@ -72,7 +74,8 @@ FORMATS = ("fp8", "nvfp4")  # timed by default; --formats also takes fp8pt (per-
 # the reduce-scatter's forms (plan.REDUCESCATTER_FORMS) -> their column tag, dn_rs_<fmt>_gather_<tag>
 RS_FORM_TAGS = {"serial": "serial", "pipelined": "pipe", "pipelined-8": "pipe8",
                 "pipelined-16": "pipe16", "pipelined-32": "pipe32", "pipelined-2": "pipe2",
-                "pipelined-g2": "g2", "pipelined-g4": "g4", "pipelined-tma": "tma"}
+                "pipelined-g2": "g2", "pipelined-g4": "g4", "pipelined-tma": "tma",
+                "roles-tma": "roles"}
 
 
 def format_kwargs(fmt: str, device) -> dict:

@@ -102,6 +102,14 @@ ALLREDUCE = [
     ("reducescatter", 4, "bfloat16", 1536, "pt", True, False, True, False, True, 0,
      "pipelined-tma"),
     ("rsgather", 4, "bfloat16", 4096, "fp8", True, False, False, False, True, 0, "pipelined-tma"),
+    # NOTE [reduce-scatter roles by TMA]: pusher and finisher CTAs (two rows per CTA, one gathered
+    # with swizzled scales, three peers with a ragged row); at H 32768 two parts of 64 KiB pass
+    # the shared memory: "serial"
+    ("reducescatter", 2, "bfloat16", 4096, "fp8", True, False, False, False, True, 0, "roles-tma"),
+    ("rsgather", 2, "bfloat16", 4096, "nvfp4s", True, False, False, False, True, 1, "roles-tma"),
+    ("rsgather", 4, "bfloat16", 2880, "pt", True, False, True, False, True, 0, "roles-tma"),
+    ("reducescatter", 2, "bfloat16", 32768, "none", True, False, False, False, True, 0,
+     "roles-tma"),
 ]
 
 # (world, copy unit per segment) of the row gather (kernels/rowgather.py): q alone; q, per-token

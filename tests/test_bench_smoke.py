@@ -21,7 +21,7 @@ def _seqpar_smoke() -> None:
     for r in rows:
         assert r["outputs_match"], r
         cases = [k for k in r if k.startswith("dn_")]
-        assert len(cases) == 42 and all(r[k] == 0.0 for k in cases), r
+        assert len(cases) == 44 and all(r[k] == 0.0 for k in cases), r
     picked = bench_seqpar.main(["--smoke", "--tokens", "2", "--hidden", "256", "--formats",
                                 "fp8pt", "--cases", "^dn_rs_fp8pt_gather$"])
     assert picked[0]["outputs_match"], picked

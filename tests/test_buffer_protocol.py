@@ -145,7 +145,7 @@ def _roles_steps(world: int, ctas: int, rank: int, S: int, form: tuple, call: in
     of its flags; the finishers' completion count wanted in my pad is (nth + 1) * F).
 
     A pusher, per group in order and per peer t: my rows of shard t into slot `rank` of t's buffer,
-    then flag ("x", g, rank) in t's pad := epoch; at its end it waits until every peer's
+    then flag ("x", g, rank) in t's pad := epoch; at its end pusher 0 waits until every peer's
     completion count in my own pad shows this call's F finishers done (so that the kernel ends only
     when no peer reads my pushes any more: the next call, of any algorithm, may push again). A
     finisher, per group: waits for every peer's flag of g, reads the slots, pushes its q rows into
@@ -175,7 +175,7 @@ def _roles_steps(world: int, ctas: int, rank: int, S: int, form: tuple, call: in
                         started.add(t)
                     steps.append(("write", t, (("L", rank * S + g),)))
                     steps.append(("set", t, ("x", g, rank), nth))
-            if variant not in ("no-end-wait", "start-wait"):
+            if variant not in ("no-end-wait", "start-wait") and b == 0:  # pusher CTA 0's
                 steps += [("wait", rank, ("done", t), want) for t in peers]
         else:
             mine = list(range(b - P, S, F))

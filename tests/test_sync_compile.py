@@ -85,6 +85,63 @@ def test_tma_form_falls_back_to_thread_stores():
     assert compile_in_subprocess(BULK_BODY, timeout=300) == 3
 
 
+# NOTE [reduce-scatter roles by TMA]: "roles-tma" with pusher CTAs where two parts of one (group,
+# peer) fit its shared memory, else exactly "serial" (H 32768: a 64 KiB row): the same PTX but for
+# the form's code in the descriptor constants
+ROLES_BODY = """
+import os, tempfile
+os.environ["DISTNORM_KEEP_PTX"] = "1"  # the PTX text (--keep-ptx also leaves files in the cwd)
+os.chdir(tempfile.mkdtemp())
+from distnorm.collectives.signature import CallDescriptor, signature_constant
+from distnorm.formats import make_quant_spec
+from distnorm.kernels.compile_allreduce import compiled_allreduce
+fp8 = make_quant_spec("fp8")
+for algo, world, H, roles in (("reducescatter", 2, 4096, True), ("rsgather", 2, 32768, False),
+                              ("reducescatter", 4, 32768, False)):
+    ptx = {}
+    for form in ("roles-tma", "serial"):
+        ptx[form] = compiled_allreduce(algo, world, "bfloat16", H, fp8, True, False, False, False,
+                                       True, 0, form).__ptx__
+        words = CallDescriptor(0, H, algo, "bfloat16", fp8, True, False, False, False, world,
+                               form).words()
+        for value in (words[2], signature_constant(words)):  # the form's code, as immediates
+            ptx[form] = ptx[form].replace(str(value), "FORM")
+    assert ("cp.async.bulk" in ptx["roles-tma"]) == roles, (world, H)
+    assert ("red.release.sys" in ptx["roles-tma"]) == roles, (world, H)
+    if not roles:
+        assert ptx["roles-tma"] == ptx["serial"], (world, H)
+    done.append((world, H))
+"""
+
+
+def test_roles_form_falls_back_to_serial():
+    """NOTE [reduce-scatter roles by TMA]: pusher CTAs where two stages of one (group, peer) part
+    fit (within bulkpush's budget per CTA of an SM), else the form is "serial" (a compile-time
+    choice from H and the tiling, equal on every rank); kernel attributes here, PTX in a
+    subprocess."""
+    from distnorm.collectives.layout import MIN_SIGNAL_BYTES, ROLES_FLAG_WORDS
+    from distnorm.formats import make_quant_spec
+    from distnorm.kernels.allreduce import AllReduceAddRMSNormQuant
+    from distnorm.kernels.compile_allreduce import allreduce_tiling, co_resident_ctas_per_sm
+    from distnorm.kernels.rolespush import ROLES_PUSHERS, roles_fit
+
+    fp8 = make_quant_spec("fp8")
+    # (H, rows per CTA (0: choose_tiling's), fits): 16 KiB parts at H 4096 (two rows) and 8192
+    # (one), 64 KiB at 32768; 64-thread CTAs (H 2048, one row) get 24 KiB each
+    for H, rows, fits in ((4096, 0, True), (8192, 0, True), (2048, 1, True), (7168, 0, True),
+                          (16384, 0, False), (32768, 0, False)):
+        t = allreduce_tiling(H, fp8, rows)
+        assert roles_fit(H, t.rows_per_cta, co_resident_ctas_per_sm(t)) == fits, (H, rows)
+        for world in (2, 4, 8):  # a part is one peer's: the same at every world size
+            for algo in ("reducescatter", "rsgather"):
+                k = AllReduceAddRMSNormQuant(algo, world, t, fp8, True, False, False, False, True,
+                                             "bfloat16", "roles-tma")
+                assert (k.roles_pushers, k.rs_rounds, k.bulk_groups) == \
+                    (ROLES_PUSHERS if fits else 0, 1, 0), (H, world, algo)
+    assert MIN_SIGNAL_BYTES <= 1 << 20 and ROLES_FLAG_WORDS > 8 * 2 * 1024
+    assert compile_in_subprocess(ROLES_BODY, timeout=300) == 3
+
+
 def test_region_layout_and_timeout(monkeypatch):
     from distnorm.collectives import layout
     from distnorm.collectives.plan import Tuning
@@ -174,11 +231,15 @@ def test_algorithm_form_tuning(monkeypatch):
     # every form has its rounds in the kernel (NOTE [reduce-scatter rounds])
     from distnorm.kernels.reducescatter import RS_FORM_ROUNDS
     assert tuple(RS_FORM_ROUNDS) == REDUCESCATTER_FORMS
-    assert [RS_FORM_ROUNDS[f] for f in REDUCESCATTER_FORMS] == [1, 4, 8, 16, 32, 2, -2, -4, -2]
+    assert [RS_FORM_ROUNDS[f] for f in REDUCESCATTER_FORMS] == [1, 4, 8, 16, 32, 2, -2, -4, -2, 1]
     # NOTE [bulk-copy pushes]: "pipelined-tma" is in no ladder, reached only when forced
     assert all(form != "pipelined-tma" for table in SIZED_FORMS.values()
                for ladder in table.values() for _, form in ladder)
     assert Tuning(reducescatter_form="pipelined-tma").form("rsgather", 0) == "pipelined-tma"
+    # NOTE [reduce-scatter roles by TMA]: likewise "roles-tma"
+    assert all(form != "roles-tma" for table in SIZED_FORMS.values()
+               for ladder in table.values() for _, form in ladder)
+    assert Tuning(reducescatter_form="roles-tma").form("rsgather", 0) == "roles-tma"
     # packed FP4 has its own ladder by world size (the kernel key picks it)
     from distnorm.formats import make_quant_spec
     sizes = (8 << 20, 16 << 20, 32 << 20, 64 << 20, 128 << 20, 256 << 20)

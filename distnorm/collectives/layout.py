@@ -12,6 +12,9 @@ Signal pad (per rank, ``Workspace.signal_bytes``, u32 words), regions of ``REGIO
                                    call words (CALL_W_* below)
     region 5  REGION_REDUCESCATTER the sequence-parallel reduce-scatter's cross-rank CTA barrier
     region 6  REGION_ROWGATHER     the row gather's cross-rank CTA barrier (kernels/rowgather.py)
+    region 7  REGION_ROLES         the reduce-scatter "roles-tma"'s epochs, counts and flags
+                                   (ROLES_W_* below; ROLES_WORDS, not a whole region: the pad
+                                   stays within the Workspace's default 1 MiB)
 
 A barrier region holds ``epochs[MAX_CTAS]`` then 64-bit ``flags[MAX_CTAS][MAX_WORLD][FLAG_SLOTS]``,
 each flag (epoch, call signature) in slot ``epoch % FLAG_SLOTS`` (kernels/sync.py: a peer one
@@ -68,7 +71,8 @@ from __future__ import annotations
 __all__ = [
     "MAX_CTAS", "MAX_WORLD", "REGION_WORDS", "REGION_BARRIER_TEST", "REGION_ONESHOT",
     "REGION_TWOSHOT", "REGION_LAMPORT", "REGION_DEVICE_ERROR", "REGION_REDUCESCATTER",
-    "REGION_ROWGATHER",
+    "REGION_ROWGATHER", "REGION_ROLES", "ROLES_W_EPOCH", "ROLES_W_ARRIVE", "ROLES_W_EXPECT",
+    "ROLES_W_DONE", "ROLES_W_FLAGS", "ROLES_WORDS", "ROLES_FLAG_WORDS",
     "region_word", "DEVICE_ERROR_WORD",
     "MIN_SIGNAL_BYTES", "ERROR_NONE", "ERROR_TIMEOUT", "ERROR_MISMATCH", "ERROR_NAMES",
     "ERROR_WORDS", "ERR_CODE", "ERR_PEER", "ERR_EPOCH", "ERR_VALUE", "FLAG_WORDS", "FLAG_SLOTS",
@@ -92,6 +96,14 @@ REGION_LAMPORT = 3
 REGION_DEVICE_ERROR = 4
 REGION_REDUCESCATTER = 5
 REGION_ROWGATHER = 6
+REGION_ROLES = 7
+# NOTE [reduce-scatter roles by TMA] in kernels/rolespush.py: EPOCH = this rank's last call's epoch,
+# ARRIVE = CTAs of the running call that read it, EXPECT = the completion counts wanted after the
+# last call, DONE + s = how many of rank s's finisher CTAs have read all I pushed them (ever),
+# FLAGS + (chunk * world + s) * 2 = the 64-bit flag (epoch, signature) of rank s's pushes of a chunk
+ROLES_W_EPOCH, ROLES_W_ARRIVE, ROLES_W_EXPECT, ROLES_W_DONE, ROLES_W_FLAGS = 0, 1, 2, 16, 32
+ROLES_WORDS = (1 << 18) - REGION_ROLES * REGION_WORDS  # up to 1 MiB of pad in all
+ROLES_FLAG_WORDS = ROLES_WORDS - ROLES_W_FLAGS
 
 
 def region_word(region: int) -> int:
@@ -106,7 +118,7 @@ CALL_W_LAST = DEVICE_ERROR_WORD + 4          # 16-byte aligned
 CALL_W_LAMPORT_HDR = CALL_W_LAST + DESCRIPTOR_WORDS
 CALL_W_HOST_BARRIER = CALL_W_LAMPORT_HDR + LAMPORT_AREAS * MAX_WORLD * DESCRIPTOR_WORDS
 HOST_BARRIER_FIRST_CALL, HOST_BARRIER_RESET_A, HOST_BARRIER_RESET_B = 0, 1, 2
-MIN_SIGNAL_BYTES = region_word(REGION_ROWGATHER + 1) * 4  # every region (the last: 6) fits
+MIN_SIGNAL_BYTES = (region_word(REGION_ROLES) + ROLES_WORDS) * 4  # every region (the last: 7) fits
 
 # pinned error words
 ERROR_NONE = 0
@@ -157,3 +169,4 @@ def check_signal_pad(signal_bytes: int, world: int, ctas: int | None = None) -> 
         raise ValueError(f"the cross-rank barrier supports 1..{MAX_CTAS} CTAs, got {ctas}")
 
 assert CALL_W_HOST_BARRIER + 3 * MAX_WORLD <= region_word(REGION_DEVICE_ERROR + 1)
+assert ROLES_W_DONE + MAX_WORLD <= ROLES_W_FLAGS and ROLES_W_FLAGS % 2 == 0

@@ -174,10 +174,12 @@ LAMPORT_FORMS = ("poll-all", "poll-unseen")
 # (up to 2), "pipelined-g2" / "-g4" (rounds of at most 2 / 4 row groups, however many),
 # "pipelined-tma" (pipelined-g2's rounds, or of one row group where a shared-memory stage holds only
 # one, the x pushes issued as TMA bulk copies: NOTE [bulk-copy pushes]; in no ladder, not measured
-# yet); new forms go last, so that the earlier ones keep their descriptor codes. Tuning's default
-# "auto" picks by size (SIZED_FORMS).
+# yet), "roles-tma" (pusher CTAs that push x by TMA bulk copies and finisher CTAs that finish row
+# groups as they land, flags and counts instead of barriers: NOTE [reduce-scatter roles by TMA] in
+# kernels/rolespush.py; in no ladder, not run on a GPU yet); new forms go last, so that the earlier
+# ones keep their descriptor codes. Tuning's default "auto" picks by size (SIZED_FORMS).
 REDUCESCATTER_FORMS = ("serial", "pipelined", "pipelined-8", "pipelined-16", "pipelined-32",
-                       "pipelined-2", "pipelined-g2", "pipelined-g4", "pipelined-tma")
+                       "pipelined-2", "pipelined-g2", "pipelined-g4", "pipelined-tma", "roles-tma")
 # How the row gather (kernels/rowgather.py) keeps bytes in flight (NOTE [row gather batches]):
 # "unit" (one 16-byte unit per thread at a time) or "batched" (several loads first, then their
 # stores). Tuning's default "auto" picks by size (SIZED_FORMS).

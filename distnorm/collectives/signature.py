@@ -7,9 +7,9 @@ the kernels exchange (layout.CALL_W_*), and the 32-bit signature the barrier fla
             gemma << 8 | (form & 7) << 9 | world size << 12 | (form >> 3) << 20 (form: the index
             of the algorithm's form in plan.ALGORITHM_FORMS, 0 = its default: ranks in different
             forms would read rows where their peers never wrote them, so the form is part of what
-            they must agree on; its fourth bit, for the reduce-scatter's ninth form, sits above the
-            world size so that the words of forms 0-7, and the kernels' constants, stay as they
-            were)
+            they must agree on; its fourth bit, for the reduce-scatter's ninth and tenth forms,
+            sits above the world size so that the words of forms 0-7, and the kernels'
+            constants, stay as they were)
     word 3  the quantization format (QuantSpec): kind | group size << 4 | swizzled << 12 |
             column-major << 13 | ue8m0 << 14
 

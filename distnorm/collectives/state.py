@@ -14,7 +14,7 @@ from distnorm.collectives.layout import (CALL_W_HOST_BARRIER, CALL_W_LAMPORT_HDR
                                          HOST_BARRIER_FIRST_CALL, HOST_BARRIER_RESET_A,
                                          HOST_BARRIER_RESET_B, LAMPORT_AREAS, LAMPORT_SENTINEL_I32,
                                          LAMPORT_STATE_WORDS, MAX_WORLD, REGION_LAMPORT,
-                                         REGION_WORDS, check_signal_pad, lamport_split,
+                                         REGION_ROLES, REGION_WORDS, check_signal_pad, lamport_split,
                                          push_half, region_word)
 from distnorm.collectives.plan import ALGORITHMS, Tuning
 from distnorm.formats import QuantSpec
@@ -135,6 +135,7 @@ class AllReduceState:
         host_barrier(ws, HOST_BARRIER_RESET_A, self.resets, timeout)
         for algorithm in ALGORITHMS.values():
             zero_region(ws, algorithm.region)
+        zero_region(ws, REGION_ROLES)  # the reduce-scatter roles-tma's (a form, not an algorithm)
         w0 = CALL_W_HOST_BARRIER + HOST_BARRIER_FIRST_CALL * MAX_WORLD
         with torch.cuda.device(ws.device):
             ws.peer_signal(ws.rank)[w0:w0 + MAX_WORLD].zero_()

@@ -57,6 +57,7 @@ from distnorm.collectives.signature import (GRID_MULTIPLIER, SIGNATURE_MULTIPLIE
                                             CallDescriptor, signature_constant)
 from distnorm.formats import VEC, QuantSpec, pushed_scale_row_bytes, q_shape
 from distnorm.kernels.bulkpush import BULK_FORM, bulk_round_groups
+from distnorm.kernels.rolespush import ROLES_FORM, ROLES_PUSHERS, roles_fit
 from distnorm.kernels.lamport import LamportOneShot
 from distnorm.kernels.compat import SmemAllocator
 from distnorm.kernels.norm_quant import NormQuantCore
@@ -124,6 +125,15 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
                                                  co_resident_ctas_per_sm(tiling))
             if self.bulk_groups > 0:
                 self.rs_rounds = -self.bulk_groups
+        # NOTE [reduce-scatter roles by TMA]: pusher CTAs, 0 = no roles ("serial" where its stages
+        # do not fit)
+        self.roles_pushers = 0
+        if algo in RS_ALGOS and form == ROLES_FORM:
+            from distnorm.kernels.compile_allreduce import co_resident_ctas_per_sm
+            self.rs_rounds = 1
+            if roles_fit(tiling.hidden, tiling.rows_per_cta, co_resident_ctas_per_sm(tiling),
+                         2):
+                self.roles_pushers = ROLES_PUSHERS
         # NOTE [gather in the epilogue]: q's bytes per row, pushed to every peer as it is written
         self.gather_q = algo == "rsgather"
         self.s_row_bytes = 0  # and the scales' with them where their rows are whole 16-byte units
@@ -185,12 +195,19 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
                 blocks = blocks + 1
         if const_expr(self.wide):  # NOTE [wide two-shot]: a CTA per (slice, row group)
             blocks = groups * self.world
+        if const_expr(self.roles_pushers > 0):
+            # NOTE [reduce-scatter roles by TMA]: the pushers and a finisher per group, at least
+            # one of each
+            blocks = groups + self.roles_pushers
         if blocks > max_ctas:
             blocks = max_ctas
         if const_expr(self.wide):  # whole sets of world CTAs, at least one
             blocks = blocks // self.world * self.world
             if blocks < Int32(self.world):
                 blocks = Int32(self.world)
+        if const_expr(self.roles_pushers > 0):  # even where max_ctas says 1: two co-reside
+            if blocks < 2:
+                blocks = Int32(2)
         if blocks < 1:
             blocks = Int32(1)
         self.kernel(mX, mR, mRout, mW, mY, mQ, mS, mScale, mGS, mAR, mBuf, mSig, mErr, rank, eps,

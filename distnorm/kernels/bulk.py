@@ -1,7 +1,7 @@
 """Inline PTX for the TMA's bulk copies (cp.async.bulk), written once: the reduce-scatter's
 "pipelined-tma" pushes (NOTE [bulk-copy pushes] in kernels/reducescatter.py, rounds in
-kernels/bulkpush.py) and the push measurement kernel (tests/push_kernel.py). The mbarrier waits are
-kernels/ptx.py's (mbarrier_try_wait).
+kernels/bulkpush.py), the "roles-tma" pushers (kernels/rolespush.py) and the push measurement
+kernel (tests/push_kernel.py). The mbarrier waits are kernels/ptx.py's (mbarrier_try_wait).
 
 Addresses: `saddr` / `mbar` are 32-bit shared-space addresses (ptx.smem_ptr_u32), `gaddr` 64-bit
 global ones; every address and byte count a multiple of 16.
@@ -13,7 +13,8 @@ from cutlass.cutlass_dsl import dsl_user_op
 # absolute imports: the 4.3.5 DSL preprocessor needs them
 from distnorm.kernels.ptx import inline_asm, ir_i32, ir_i64
 
-__all__ = ["bulk_store_s2g", "bulk_wait_all", "bulk_wait_read_all", "mbar_init", "bulk_load_g2s",
+__all__ = ["bulk_store_s2g", "bulk_wait_all", "bulk_wait_read_all", "bulk_wait_all_but_newest",
+           "bulk_wait_read_all_but_newest", "bulk_commit_empty", "mbar_init", "bulk_load_g2s",
            "mbar_arrive_expect_tx", "bulk_copy_g2s", "fence_proxy_async",
            "fence_proxy_async_shared"]
 
@@ -37,6 +38,28 @@ def bulk_wait_all(*, loc=None, ip=None) -> None:
 def bulk_wait_read_all(*, loc=None, ip=None) -> None:
     """Wait until every bulk group this thread committed has read its shared-memory source."""
     inline_asm(None, [], "cp.async.bulk.wait_group.read 0;", "~{memory}", True)
+
+
+@dsl_user_op
+def bulk_commit_empty(*, loc=None, ip=None) -> None:
+    """Commit an empty bulk group (complete at once): the roles-tma pushers count one group per
+    part, stored or not, so that "all but the newest" names the same part either way."""
+    inline_asm(None, [], "cp.async.bulk.commit_group;", "~{memory}", True)
+
+
+@dsl_user_op
+def bulk_wait_all_but_newest(*, loc=None, ip=None) -> None:
+    """Wait until every bulk group this thread committed but the newest one has completed (the
+    roles-tma pushers keep one part's store in flight while they flag the one before:
+    kernels/rolespush.py)."""
+    inline_asm(None, [], "cp.async.bulk.wait_group 1;", "~{memory}", True)
+
+
+@dsl_user_op
+def bulk_wait_read_all_but_newest(*, loc=None, ip=None) -> None:
+    """Wait until every bulk group this thread committed but the newest one has read its
+    shared-memory source."""
+    inline_asm(None, [], "cp.async.bulk.wait_group.read 1;", "~{memory}", True)
 
 
 @dsl_user_op

@@ -63,6 +63,11 @@ bulk_round_groups). A rank whose x rows are strided (a run-time property, not in
 pushes with thread stores in the same rounds, since the ranks' rounds and barriers must agree.
 The same rows land in the same slots: the same bits as "serial".
 
+The form "roles-tma" (in no ladder, issue 13's larger lever) has no rounds and no barriers: pusher
+CTAs push x by TMA bulk copies, finisher CTAs run _shard_group as the rows land, flags and counts in
+the signal pads order them (NOTE [reduce-scatter roles by TMA] in kernels/rolespush.py); where its
+stages do not fit it is "serial".
+
 NOTE [gather in the epilogue]: algorithm "rsgather" is "reducescatter" (either form) that also
 gathers q for the sequence-parallel op's gather=True: right after a row group's epilogue wrote
 its q rows (into my rows of the full q tensor: the host passes them as a view of it), the CTA
@@ -135,6 +140,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from distnorm.formats import swizzled_offset
 from distnorm.kernels.bulkpush import BulkPushes
 from distnorm.kernels.compat import SmemAllocator
+from distnorm.kernels.rolespush import RolesPushes
 from distnorm.kernels.sync import (ld_volatile_sys_u32, ld_volatile_sys_v4_u32, ld_weak_u32,
                                   ld_weak_v4_u32, st_weak_u32, st_weak_v4_u32)
 
@@ -149,7 +155,9 @@ RS_ALGOS = ("reducescatter", "rsgather")
 RS_FORM_ROUNDS = {"serial": 1, "pipelined": 4, "pipelined-8": 8, "pipelined-16": 16,
                   "pipelined-32": 32, "pipelined-2": 2, "pipelined-g2": -2, "pipelined-g4": -4,
                   # NOTE [bulk-copy pushes]: -1 where a stage holds one row group only
-                  "pipelined-tma": -2}
+                  "pipelined-tma": -2,
+                  # NOTE [reduce-scatter roles by TMA]: no rounds ("serial" where it cannot run)
+                  "roles-tma": 1}
 
 # NOTE [batched copies]: the epilogue gather's copies (q and scale rows to the peers, then the
 # other shards' rows out of my q area) issue all of a batch's loads before its stores: a store
@@ -167,7 +175,7 @@ def _unit_store(addr: Int64, val: tuple) -> None:
         st_weak_u32(addr, val[0])
 
 
-class ReduceScatter(BulkPushes):
+class ReduceScatter(BulkPushes, RolesPushes):
     """The reduce-scatter algorithms of AllReduceAddRMSNormQuant (which provides self.t, self.core,
     self.world, self.rs_rounds, self.gather_q, self.gather_scales, self.gather_swizzled,
     self.q_row_bytes, self.s_row_bytes, self.bulk_groups, two-shot's _push_slices and the helpers of
@@ -198,7 +206,7 @@ class ReduceScatter(BulkPushes):
             self.core.store_padding_words(mS, pad_from, bidx * Int32(t.threads) + tidx,
                                           nblk * Int32(t.threads))
         smem = None  # NOTE [bulk-copy pushes]: the stages come from the epilogue's allocator
-        if const_expr(self.bulk_groups > 0):
+        if const_expr(self.bulk_groups > 0 or self.roles_pushers > 0):
             smem = SmemAllocator()
         bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
                                                                          lane, smem)
@@ -212,71 +220,79 @@ class ReduceScatter(BulkPushes):
         if const_expr(self.gather_scales):
             s_base = mS.iterator.toint()
         copy_from = bidx  # this CTA's row groups from here on are copied out after the final barrier
-        if const_expr(self.rs_rounds == 1):
-            self._push_slices(mX, mBuf, rank, slice_rows, push_groups, bidx, nblk, row_in_cta,
-                              lane, rT, dtype, may_push)
-            failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
-
+        if const_expr(self.roles_pushers > 0):  # NOTE [reduce-scatter roles by TMA]
             base = mBuf[rank]
-            for g in range(bidx, self._unless_failed(failed, groups), nblk):
-                self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank, row_in_cta,
-                                  lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT,
-                                  static_inv, global_scale, bufs, rW, dtype, mBuf, q_base, s_base)
+            self._roles_reducescatter(
+                mX, mBuf, mSig, mErr, rank, timeout, slice_rows, groups, sig, may_push, smem,
+                (local, rows, base, slot_elems, slice_rows, rank, row_in_cta, lane, eps, mX, mR,
+                 mRout, mAR, mW, mY, mQ, mS, rH, rR, rT, static_inv, global_scale, bufs, rW, dtype,
+                 mBuf, q_base, s_base), q_base, s_base, rT, dtype, row_in_cta, lane)
         else:
-            # NOTE [reduce-scatter rounds]
-            # one round's span of g is `step`
-            rounds, step, end = self._rounds(bidx, nblk, push_groups, self.rs_rounds)
-            tma = None
-            if const_expr(self.bulk_groups > 0):  # NOTE [bulk-copy pushes]
-                tma = self._bulk_setup(smem, mX, tidx)
-                self._bulk_round(tma, Int32(0), rounds, Int32(0), mX, mBuf, rank, slice_rows,
-                                 push_groups, bidx, nblk, step, row_in_cta, lane, rT, dtype,
-                                 may_push)
-                self._bulk_drain(tma)
+            if const_expr(self.rs_rounds == 1):
+                self._push_slices(mX, mBuf, rank, slice_rows, push_groups, bidx, nblk, row_in_cta,
+                                  lane, rT, dtype, may_push)
+                failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+
+                base = mBuf[rank]
+                for g in range(bidx, self._unless_failed(failed, groups), nblk):
+                    self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank, row_in_cta,
+                                      lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT,
+                                      static_inv, global_scale, bufs, rW, dtype, mBuf, q_base, s_base)
             else:
-                self._push_slices(mX, mBuf, rank, slice_rows, end, bidx, nblk, row_in_cta, lane,
-                                  rT, dtype, may_push)
-            failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
-            base = mBuf[rank]
-            for r in range(rounds):
-                g0 = bidx + r * step
-                if r + 1 < rounds:  # the next round's rows leave while this round's are finished
-                    end = g0 + 2 * step
+                # NOTE [reduce-scatter rounds]
+                # one round's span of g is `step`
+                rounds, step, end = self._rounds(bidx, nblk, push_groups, self.rs_rounds)
+                tma = None
+                if const_expr(self.bulk_groups > 0):  # NOTE [bulk-copy pushes]
+                    tma = self._bulk_setup(smem, mX, tidx)
+                    self._bulk_round(tma, Int32(0), rounds, Int32(0), mX, mBuf, rank, slice_rows,
+                                     push_groups, bidx, nblk, step, row_in_cta, lane, rT, dtype,
+                                     may_push)
+                    self._bulk_drain(tma)
+                else:
+                    self._push_slices(mX, mBuf, rank, slice_rows, end, bidx, nblk, row_in_cta, lane,
+                                      rT, dtype, may_push)
+                failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+                base = mBuf[rank]
+                for r in range(rounds):
+                    g0 = bidx + r * step
+                    if r + 1 < rounds:  # the next round's rows leave while this round's are finished
+                        end = g0 + 2 * step
+                        if end > push_groups:
+                            end = push_groups
+                        if const_expr(self.bulk_groups > 0):
+                            self._bulk_round(tma, r + 1, rounds, failed, mX, mBuf, rank, slice_rows,
+                                             push_groups, bidx, nblk, step, row_in_cta, lane, rT,
+                                             dtype, may_push)
+                        else:
+                            self._push_slices(mX, mBuf, rank, slice_rows,
+                                              self._unless_failed(failed, end), g0 + step, nblk,
+                                              row_in_cta, lane, rT, dtype, may_push)
+                    end = g0 + step
                     if end > push_groups:
                         end = push_groups
-                    if const_expr(self.bulk_groups > 0):
-                        self._bulk_round(tma, r + 1, rounds, failed, mX, mBuf, rank, slice_rows,
-                                         push_groups, bidx, nblk, step, row_in_cta, lane, rT,
-                                         dtype, may_push)
-                    else:
-                        self._push_slices(mX, mBuf, rank, slice_rows,
-                                          self._unless_failed(failed, end), g0 + step, nblk,
-                                          row_in_cta, lane, rT, dtype, may_push)
-                end = g0 + step
-                if end > push_groups:
-                    end = push_groups
-                for g in range(g0, self._unless_failed(failed, end), nblk):
-                    self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank,
-                                      row_in_cta, lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS,
-                                      rH, rR, rT, static_inv, global_scale, bufs, rW, dtype, mBuf,
-                                      q_base, s_base)
-                if r + 1 < rounds:
-                    if const_expr(self.bulk_groups > 0):
-                        self._bulk_drain(tma)  # round r + 1's writes before its barrier
-                    failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig) | failed
-                    if const_expr(self.gather_q):
-                        # NOTE [copy-out by rounds]: the barrier ordered every peer's q pushes of
-                        # round r before it
-                        self._copy_out_q(mBuf, q_base, s_base, m, slice_rows, rank,
-                                         self._unless_failed(failed, end), g0, nblk, row_in_cta,
-                                         lane)
-            copy_from = bidx + (rounds - 1) * step  # the last round's rows: after the barrier
-        # nobody may overwrite a slot (next call) that a peer still reads
-        done = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
-        if const_expr(self.gather_q):  # NOTE [gather in the epilogue]
-            self._copy_out_q(mBuf, q_base, s_base, m, slice_rows, rank,
-                             self._unless_failed(done | failed, groups), copy_from, nblk,
-                             row_in_cta, lane)
+                    for g in range(g0, self._unless_failed(failed, end), nblk):
+                        self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank,
+                                          row_in_cta, lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS,
+                                          rH, rR, rT, static_inv, global_scale, bufs, rW, dtype, mBuf,
+                                          q_base, s_base)
+                    if r + 1 < rounds:
+                        if const_expr(self.bulk_groups > 0):
+                            self._bulk_drain(tma)  # round r + 1's writes before its barrier
+                        failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig) | failed
+                        if const_expr(self.gather_q):
+                            # NOTE [copy-out by rounds]: the barrier ordered every peer's q pushes of
+                            # round r before it
+                            self._copy_out_q(mBuf, q_base, s_base, m, slice_rows, rank,
+                                             self._unless_failed(failed, end), g0, nblk, row_in_cta,
+                                             lane)
+                copy_from = bidx + (rounds - 1) * step  # the last round's rows: after the barrier
+            # nobody may overwrite a slot (next call) that a peer still reads
+            done = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
+            if const_expr(self.gather_q):  # NOTE [gather in the epilogue]
+                self._copy_out_q(mBuf, q_base, s_base, m, slice_rows, rank,
+                                 self._unless_failed(done | failed, groups), copy_from, nblk,
+                                 row_in_cta, lane)
 
     @cute.jit
     def _shard_group(self, g: Int32, local: Int32, rows: Int32, base: Int64, slot_elems: Int64,

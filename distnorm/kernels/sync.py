@@ -16,6 +16,7 @@ one is a device function taking 64-bit generic/global addresses as ``Int64``):
     atomic_cas_sys_u32(addr, cmp, v) -> Int32  atom.relaxed.sys.global.cas.b32 (returns the old value)
     atomic_add_gpu_u32(addr, v)                red.relaxed.gpu.global.add.u32
     atom_add_acq_rel_gpu_u32(addr, v) -> Int32 atom.acq_rel.gpu.global.add.u32 (returns the old value)
+    red_add_release_sys_u32(addr, v)           red.release.sys.global.add.u32
     barrier_or(pred) -> Int32                  bar.red.or.pred: a CTA barrier returning any thread's pred
     fence_acq_rel_sys()                        fence.acq_rel.sys
     globaltimer_ns() -> Int64                  mov.u64 %globaltimer (ns; ~1 us granularity)
@@ -50,7 +51,7 @@ __all__ = [
     "ld_acquire_sys_u32", "ld_relaxed_sys_u32", "ld_volatile_sys_u32", "st_release_sys_u32",
     "st_relaxed_sys_u32", "st_volatile_u32", "ld_weak_u32", "st_weak_u32", "atomic_cas_sys_u32",
     "atomic_add_gpu_u32",
-    "atom_add_acq_rel_gpu_u32", "fence_acq_rel_sys", "globaltimer_ns", "ld_volatile_sys_v4_u32",
+    "atom_add_acq_rel_gpu_u32", "red_add_release_sys_u32", "fence_acq_rel_sys", "globaltimer_ns", "ld_volatile_sys_v4_u32",
     "st_volatile_sys_v4_u32", "ld_weak_v4_u32", "st_weak_v4_u32", "ld_acquire_sys_u32x2",
     "st_release_sys_u32x2", "cta_barrier",
     "record_timeout", "record_mismatch", "gave_up", "must_stop", "barrier_or", "SPIN_CHECK_MASK",
@@ -93,6 +94,8 @@ ld_weak_u32 = _load_u32("ld.global.u32 $0, [$1];")
 st_weak_u32 = _store_u32("st.global.u32 [$0], $1;")
 # fire-and-forget atomic add at GPU scope (counters read by the host after synchronize)
 atomic_add_gpu_u32 = _store_u32("red.relaxed.gpu.global.add.u32 [$0], $1;")
+# a count a peer acquires (NOTE [reduce-scatter roles by TMA] in kernels/rolespush.py)
+red_add_release_sys_u32 = _store_u32("red.release.sys.global.add.u32 [$0], $1;")
 
 
 @dsl_user_op

@@ -2,7 +2,8 @@
 "pull", NOTE [two-shot forms] in distnorm/kernels/twoshot.py; lamport "poll-all", "poll-unseen",
 NOTE [lamport polls] in distnorm/kernels/lamport.py; the sequence-parallel reduce-scatter's
 REDUCESCATTER_FORMS, "serial" and the pipelined ones, NOTE [reduce-scatter rounds], the TMA one also
-with one row per CTA and a strided x, NOTE [bulk-copy pushes]): each meets the
+with one row per CTA and a strided x, NOTE [bulk-copy pushes], and "roles-tma", NOTE [reduce-scatter
+roles by TMA], also with a strided x): each meets the
 reference on every element and every form of an algorithm gives the same bytes (same float32
 operations, other traffic).
 Back-to-back calls that mix the forms with the other algorithms, never synchronized in between,
@@ -51,6 +52,9 @@ RS_CASES = [("fp8_per_token", 2000, 0), ("nvfp4", 129, 8), ("none", 3, 0), ("mxf
 # NOTE [bulk-copy pushes]: besides its default rows per CTA (at H 4096 and 2 ranks a round of one
 # row group), the TMA form with one row per CTA (rounds of two groups, two parts of each stage)
 TMA_FORM, TMA_R1 = "pipelined-tma", "pipelined-tma r1"
+# NOTE [reduce-scatter roles by TMA]: pusher and finisher CTAs (with a strided x too); the caps of
+# RS_CASES leave 7 and 4 pushers (max_ctas 8, 5) and one finisher for all the shard's row groups
+ROLES_FORM = "roles-tma"
 
 
 def _tuned(ws, algo: str, form: str) -> None:
@@ -193,6 +197,9 @@ def _body_reducescatter_forms_agree() -> None:
                            for form in REDUCESCATTER_FORMS + (TMA_R1,)}
                     got[TMA_FORM + " strided"] = outputs(run(TMA_FORM, qname, M, max_ctas, gather,
                                                              strided, res, w, kw))
+                    # NOTE [reduce-scatter roles by TMA]: its pushers' thread stores
+                    got[ROLES_FORM + " strided"] = outputs(run(ROLES_FORM, qname, M, max_ctas,
+                                                               gather, strided, res, w, kw))
                     torch.cuda.synchronize()
                     ws.raise_if_failed()
                     what = f"{qname} M={M} max_ctas={max_ctas} gather={gather}"

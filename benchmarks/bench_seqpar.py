@@ -17,9 +17,9 @@ gathered for the next GEMM, side by side in one run with the unfused chain and a
                         at most 2 / 4 row groups); _tma: "pipelined-tma" (the x pushes as TMA
                         bulk copies, NOTE [bulk-copy pushes]); _roles: "roles-tma" (pusher CTAs
                         that push by TMA bulk copies, finisher CTAs that finish row groups as
-                        they land, NOTE [reduce-scatter roles by TMA]); _batched: the row gather in its
-                        "batched" form (Tuning.rowgather_form; NOTE [row gather batches]); _both:
-                        both;
+                        they land, NOTE [reduce-scatter roles by TMA]); _batched: the row gather
+                        in its "batched" form (Tuning.rowgather_form; NOTE [row gather
+                        batches]); _both: both;
                         _r1: one row per CTA in the reduce-scatter (Tuning.rows_per_cta;
                         choose_tiling's gives two at H <= 4096);
                         _pipe_r1 / _pipe2_r1 / _tma_r1: pipelined / pipelined-2 /

@@ -14,8 +14,8 @@ from distnorm.collectives.layout import (CALL_W_HOST_BARRIER, CALL_W_LAMPORT_HDR
                                          HOST_BARRIER_FIRST_CALL, HOST_BARRIER_RESET_A,
                                          HOST_BARRIER_RESET_B, LAMPORT_AREAS, LAMPORT_SENTINEL_I32,
                                          LAMPORT_STATE_WORDS, MAX_WORLD, REGION_LAMPORT,
-                                         REGION_ROLES, REGION_WORDS, check_signal_pad, lamport_split,
-                                         push_half, region_word)
+                                         REGION_ROLES, REGION_WORDS, check_signal_pad,
+                                         lamport_split, push_half, region_word)
 from distnorm.collectives.plan import ALGORITHMS, Tuning
 from distnorm.formats import QuantSpec
 

@@ -235,9 +235,10 @@ class ReduceScatter(BulkPushes, RolesPushes):
 
                 base = mBuf[rank]
                 for g in range(bidx, self._unless_failed(failed, groups), nblk):
-                    self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank, row_in_cta,
-                                      lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT,
-                                      static_inv, global_scale, bufs, rW, dtype, mBuf, q_base, s_base)
+                    self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank,
+                                      row_in_cta, lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS,
+                                      rH, rR, rT, static_inv, global_scale, bufs, rW, dtype, mBuf,
+                                      q_base, s_base)
             else:
                 # NOTE [reduce-scatter rounds]
                 # one round's span of g is `step`
@@ -256,7 +257,8 @@ class ReduceScatter(BulkPushes, RolesPushes):
                 base = mBuf[rank]
                 for r in range(rounds):
                     g0 = bidx + r * step
-                    if r + 1 < rounds:  # the next round's rows leave while this round's are finished
+                    # the next round's rows leave while this round's are finished
+                    if r + 1 < rounds:
                         end = g0 + 2 * step
                         if end > push_groups:
                             end = push_groups
@@ -273,16 +275,16 @@ class ReduceScatter(BulkPushes, RolesPushes):
                         end = push_groups
                     for g in range(g0, self._unless_failed(failed, end), nblk):
                         self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank,
-                                          row_in_cta, lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS,
-                                          rH, rR, rT, static_inv, global_scale, bufs, rW, dtype, mBuf,
-                                          q_base, s_base)
+                                          row_in_cta, lane, eps, mX, mR, mRout, mAR, mW, mY, mQ,
+                                          mS, rH, rR, rT, static_inv, global_scale, bufs, rW,
+                                          dtype, mBuf, q_base, s_base)
                     if r + 1 < rounds:
                         if const_expr(self.bulk_groups > 0):
                             self._bulk_drain(tma)  # round r + 1's writes before its barrier
                         failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig) | failed
                         if const_expr(self.gather_q):
-                            # NOTE [copy-out by rounds]: the barrier ordered every peer's q pushes of
-                            # round r before it
+                            # NOTE [copy-out by rounds]: the barrier ordered every peer's q
+                            # pushes of round r before it
                             self._copy_out_q(mBuf, q_base, s_base, m, slice_rows, rank,
                                              self._unless_failed(failed, end), g0, nblk, row_in_cta,
                                              lane)

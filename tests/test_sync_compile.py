@@ -28,8 +28,11 @@ def test_barrier_kernels_compile_sm90a():
 
 # NOTE [bulk-copy pushes]: "pipelined-tma" with TMA pushes where a row group fits its stage (world 2
 # at H 4096), else exactly pipelined-g2 (world 4 at H 4096, two rows per CTA: 48 KiB a group; H
-# 32768: 64 KiB a row): the same PTX but for the form's code in the descriptor constants
-BULK_BODY = """
+# 32768: 64 KiB a row): the same PTX but for the form's code in the descriptor constants; and
+# "roles-tma" (NOTE [reduce-scatter roles by TMA]) with pusher CTAs where two parts of one (group,
+# peer) fit its shared memory, else exactly "serial" (H 32768: a 64 KiB row). `uses`: whether the
+# form's own instructions (markers) are in its PTX; where not, the PTX is the fallback's
+FALLBACK_BODY = """
 import os, tempfile
 os.environ["DISTNORM_KEEP_PTX"] = "1"  # the PTX text (--keep-ptx also leaves files in the cwd)
 os.chdir(tempfile.mkdtemp())
@@ -37,19 +40,22 @@ from distnorm.collectives.signature import CallDescriptor, signature_constant
 from distnorm.formats import make_quant_spec
 from distnorm.kernels.compile_allreduce import compiled_allreduce
 fp8 = make_quant_spec("fp8")
-for world, H, bulk in ((2, 4096, True), (4, 4096, False), (2, 32768, False)):
-    ptx = {}
-    for form in ("pipelined-tma", "pipelined-g2"):
-        ptx[form] = compiled_allreduce("reducescatter", world, "bfloat16", H, fp8, True, False,
-                                       False, False, True, 0, form).__ptx__
-        words = CallDescriptor(0, H, "reducescatter", "bfloat16", fp8, True, False, False, False,
-                               world, form).words()
+form, fallback = {form!r}, {fallback!r}
+for algo, world, H, uses in {cases!r}:
+    ptx = {{}}
+    for f in (form, fallback):
+        ptx[f] = compiled_allreduce(algo, world, "bfloat16", H, fp8, True, False, False, False,
+                                    True, 0, f).__ptx__
+        words = CallDescriptor(0, H, algo, "bfloat16", fp8, True, False, False, False, world,
+                               f).words()
         for value in (words[2], signature_constant(words)):  # the form's code, as immediates
-            ptx[form] = ptx[form].replace(str(value), "FORM")
-    assert ("cp.async.bulk" in ptx["pipelined-tma"]) == bulk, (world, H)
-    assert "cp.async.bulk" not in ptx["pipelined-g2"]
-    if not bulk:
-        assert ptx["pipelined-tma"] == ptx["pipelined-g2"], (world, H)
+            ptx[f] = ptx[f].replace(str(value), "FORM")
+    for marker in {markers!r}:
+        assert (marker in ptx[form]) == uses, (world, H)
+    for marker in {absent_in_fallback!r}:
+        assert marker not in ptx[fallback]
+    if not uses:
+        assert ptx[form] == ptx[fallback], (world, H)
     done.append((world, H))
 """
 
@@ -82,36 +88,12 @@ def test_tma_form_falls_back_to_thread_stores():
                                          "bfloat16", "pipelined-tma")
             assert (k.bulk_groups, k.rs_rounds) == (want, -want if want else -2), (world, H, rows)
     assert bulk_round_groups(2, 4100, 1, 2) == 0  # rows of 8200 bytes: not whole 16-byte units
-    assert compile_in_subprocess(BULK_BODY, timeout=300) == 3
-
-
-# NOTE [reduce-scatter roles by TMA]: "roles-tma" with pusher CTAs where two parts of one (group,
-# peer) fit its shared memory, else exactly "serial" (H 32768: a 64 KiB row): the same PTX but for
-# the form's code in the descriptor constants
-ROLES_BODY = """
-import os, tempfile
-os.environ["DISTNORM_KEEP_PTX"] = "1"  # the PTX text (--keep-ptx also leaves files in the cwd)
-os.chdir(tempfile.mkdtemp())
-from distnorm.collectives.signature import CallDescriptor, signature_constant
-from distnorm.formats import make_quant_spec
-from distnorm.kernels.compile_allreduce import compiled_allreduce
-fp8 = make_quant_spec("fp8")
-for algo, world, H, roles in (("reducescatter", 2, 4096, True), ("rsgather", 2, 32768, False),
-                              ("reducescatter", 4, 32768, False)):
-    ptx = {}
-    for form in ("roles-tma", "serial"):
-        ptx[form] = compiled_allreduce(algo, world, "bfloat16", H, fp8, True, False, False, False,
-                                       True, 0, form).__ptx__
-        words = CallDescriptor(0, H, algo, "bfloat16", fp8, True, False, False, False, world,
-                               form).words()
-        for value in (words[2], signature_constant(words)):  # the form's code, as immediates
-            ptx[form] = ptx[form].replace(str(value), "FORM")
-    assert ("cp.async.bulk" in ptx["roles-tma"]) == roles, (world, H)
-    assert ("red.release.sys" in ptx["roles-tma"]) == roles, (world, H)
-    if not roles:
-        assert ptx["roles-tma"] == ptx["serial"], (world, H)
-    done.append((world, H))
-"""
+    body = FALLBACK_BODY.format(form="pipelined-tma", fallback="pipelined-g2",
+                                cases=[("reducescatter", 2, 4096, True),
+                                       ("reducescatter", 4, 4096, False),
+                                       ("reducescatter", 2, 32768, False)],
+                                markers=["cp.async.bulk"], absent_in_fallback=["cp.async.bulk"])
+    assert compile_in_subprocess(body, timeout=300) == 3
 
 
 def test_roles_form_falls_back_to_serial():
@@ -139,7 +121,13 @@ def test_roles_form_falls_back_to_serial():
                 assert (k.roles_pushers, k.rs_rounds, k.bulk_groups) == \
                     (ROLES_PUSHERS if fits else 0, 1, 0), (H, world, algo)
     assert MIN_SIGNAL_BYTES <= 1 << 20 and ROLES_FLAG_WORDS > 8 * 2 * 1024
-    assert compile_in_subprocess(ROLES_BODY, timeout=300) == 3
+    body = FALLBACK_BODY.format(form="roles-tma", fallback="serial",
+                                cases=[("reducescatter", 2, 4096, True),
+                                       ("rsgather", 2, 32768, False),
+                                       ("reducescatter", 4, 32768, False)],
+                                markers=["cp.async.bulk", "red.release.sys"],
+                                absent_in_fallback=[])
+    assert compile_in_subprocess(body, timeout=300) == 3
 
 
 def test_region_layout_and_timeout(monkeypatch):

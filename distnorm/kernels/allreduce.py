@@ -118,21 +118,19 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
         # NOTE [reduce-scatter rounds]
         self.rs_rounds = RS_FORM_ROUNDS[form] if algo in RS_ALGOS else 1
         # NOTE [bulk-copy pushes]: row groups per round of the TMA pushes, 0 = thread stores
-        self.bulk_groups = 0
-        if algo in RS_ALGOS and form == BULK_FORM:
-            from distnorm.kernels.compile_allreduce import co_resident_ctas_per_sm
-            self.bulk_groups = bulk_round_groups(world, tiling.hidden, tiling.rows_per_cta,
-                                                 co_resident_ctas_per_sm(tiling))
-            if self.bulk_groups > 0:
-                self.rs_rounds = -self.bulk_groups
         # NOTE [reduce-scatter roles by TMA]: pusher CTAs, 0 = no roles ("serial" where its stages
         # do not fit)
+        self.bulk_groups = 0
         self.roles_pushers = 0
-        if algo in RS_ALGOS and form == ROLES_FORM:
+        if algo in RS_ALGOS and form in (BULK_FORM, ROLES_FORM):
             from distnorm.kernels.compile_allreduce import co_resident_ctas_per_sm
-            self.rs_rounds = 1
-            if roles_fit(tiling.hidden, tiling.rows_per_cta, co_resident_ctas_per_sm(tiling),
-                         2):
+            per_sm = co_resident_ctas_per_sm(tiling)  # both forms' shared memory is per SM
+            if form == BULK_FORM:
+                self.bulk_groups = bulk_round_groups(world, tiling.hidden, tiling.rows_per_cta,
+                                                     per_sm)
+                if self.bulk_groups > 0:
+                    self.rs_rounds = -self.bulk_groups
+            elif roles_fit(tiling.hidden, tiling.rows_per_cta, per_sm, 2):  # rs_rounds 1 already
                 self.roles_pushers = ROLES_PUSHERS
         # NOTE [gather in the epilogue]: q's bytes per row, pushed to every peer as it is written
         self.gather_q = algo == "rsgather"

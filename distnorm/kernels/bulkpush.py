@@ -120,8 +120,9 @@ class BulkPushes:
         return g0, end
 
     @cute.jit
-    def _bulk_rows(self, g: Int32, s: cutlass.Constexpr, slice_rows: Int32, m: Int32) -> Int32:
-        """How many rows of shard s's row group g are rows of x (0 to rows_per_cta)."""
+    def _bulk_rows(self, g: Int32, s, slice_rows: Int32, m: Int32) -> Int32:
+        """How many rows of shard s's row group g are rows of x (0 to rows_per_cta); s a
+        compile-time rank (the rounds' loops over peers) or a run-time one (roles-tma's parts)."""
         i0 = g * Int32(self.t.rows_per_cta)
         n = Int32(self.t.rows_per_cta)
         if slice_rows - i0 < n:

@@ -87,7 +87,8 @@ def roles_fit(hidden: int, rows_per_cta: int, ctas_per_sm: int, elem_bytes: int 
 
 class RolesPushes:
     """The roles-tma body of AllReduceAddRMSNormQuant (self.t, self.world, self.gather_q,
-    _push_slices, _shard_group, _copy_out_q come from it and ReduceScatter)."""
+    _push_slices, _shard_group, _copy_out_q come from it and ReduceScatter; _bulk_rows from
+    BulkPushes)."""
 
     @cute.jit
     def _roles_wait(self, addr: Int64, target: Int32, wide: cutlass.Constexpr, sig: Int32,
@@ -256,7 +257,7 @@ class RolesPushes:
                     # end wait's acquire), before the async proxy's reads and remote writes
                     fence_proxy_async()
                     s = e + Int32(e >= rank)
-                    n = self._roles_rows(g, s, slice_rows, mX.shape[0])
+                    n = self._bulk_rows(g, s, slice_rows, mX.shape[0])
                     if (n > Int32(0)) & (may_push != Int32(0)):
                         dst = mBuf[s] + Int64(slice_rows) * Int64(rank) * Int64(row_bytes) \
                             + Int64(g * Int32(self.t.rows_per_cta)) * Int64(row_bytes)
@@ -297,26 +298,13 @@ class RolesPushes:
                     self._roles_flags(mSig, rank, c, epoch, sig, flags)
 
     @cute.jit
-    def _roles_rows(self, g: Int32, s: Int32, slice_rows: Int32, m: Int32) -> Int32:
-        """How many rows of shard s's row group g are rows of x (0 to rows_per_cta)."""
-        i0 = g * Int32(self.t.rows_per_cta)
-        n = Int32(self.t.rows_per_cta)
-        if slice_rows - i0 < n:
-            n = slice_rows - i0
-        if m - s * slice_rows - i0 < n:
-            n = m - s * slice_rows - i0
-        if n < Int32(0):
-            n = Int32(0)
-        return n
-
-    @cute.jit
     def _roles_load(self, mX, stages: Int32, mbars: Int32, j: Int32, g: Int32, e: Int32,
                     rank: Int32, slice_rows: Int32, part: cutlass.Constexpr,
                     row_bytes: cutlass.Constexpr):
         """Part j's rows of x (group g of the shard of peer index e) into stage j % 2, counted on
         its mbarrier (one arrival expecting them; 0 bytes: the phase completes at once)."""
         s = e + Int32(e >= rank)
-        n = self._roles_rows(g, s, slice_rows, mX.shape[0])
+        n = self._bulk_rows(g, s, slice_rows, mX.shape[0])
         mbar = mbars + (j & Int32(1)) * Int32(8)
         mbar_arrive_expect_tx(mbar, n * Int32(row_bytes))
         if n > Int32(0):

@@ -3,7 +3,8 @@
 NOTE [lamport polls] in distnorm/kernels/lamport.py; the sequence-parallel reduce-scatter's
 REDUCESCATTER_FORMS, "serial" and the pipelined ones, NOTE [reduce-scatter rounds], the TMA one also
 with one row per CTA and a strided x, NOTE [bulk-copy pushes], and "roles-tma", NOTE [reduce-scatter
-roles by TMA], also with a strided x): each meets the
+roles by TMA], also with a strided x; the two TMA forms only with DISTNORM_UNVERIFIED_FORMS=1, until a
+GPU run has passed them): each meets the
 reference on every element and every form of an algorithm gives the same bytes (same float32
 operations, other traffic).
 Back-to-back calls that mix the forms with the other algorithms, never synchronized in between,
@@ -22,9 +23,10 @@ import pytest
 import torch
 
 from allreduce_cases import (BUFFER_BYTES, algo_capacity_rows, checked_on_every_rank,
-                             group_bootstrap, make_inputs, quant_kwargs, quant_spec)
+                             group_bootstrap, make_inputs, quant_kwargs, quant_spec,
+                             rs_forms_under_test)
 from harness import MULTIGPU_MARKS, all_gather_tensors, gathered_check
-from distnorm.collectives.plan import ALGORITHM_FORMS, REDUCESCATTER_FORMS
+from distnorm.collectives.plan import ALGORITHM_FORMS
 from distnorm.launch import run_distributed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,6 +57,10 @@ TMA_FORM, TMA_R1 = "pipelined-tma", "pipelined-tma r1"
 # NOTE [reduce-scatter roles by TMA]: pusher and finisher CTAs (with a strided x too); the caps of
 # RS_CASES leave 7 and 4 pushers (max_ctas 8, 5) and one finisher for all the shard's row groups
 ROLES_FORM = "roles-tma"
+# the forms run here (the unverified TMA forms only with DISTNORM_UNVERIFIED_FORMS=1), and the
+# TMA form with one row per CTA beside them
+RS_FORMS = rs_forms_under_test()
+RS_VARIANTS = RS_FORMS + ((TMA_R1,) if TMA_FORM in RS_FORMS else ())
 
 
 def _tuned(ws, algo: str, form: str) -> None:
@@ -194,21 +200,22 @@ def _body_reducescatter_forms_agree() -> None:
                 strided.copy_(x)
                 for gather in (False, True):
                     got = {form: outputs(run(form, qname, M, max_ctas, gather, x, res, w, kw))
-                           for form in REDUCESCATTER_FORMS + (TMA_R1,)}
-                    got[TMA_FORM + " strided"] = outputs(run(TMA_FORM, qname, M, max_ctas, gather,
-                                                             strided, res, w, kw))
-                    # NOTE [reduce-scatter roles by TMA]: its pushers' thread stores
-                    got[ROLES_FORM + " strided"] = outputs(run(ROLES_FORM, qname, M, max_ctas,
-                                                               gather, strided, res, w, kw))
+                           for form in RS_VARIANTS}
+                    if TMA_FORM in RS_FORMS:
+                        got[TMA_FORM + " strided"] = outputs(run(TMA_FORM, qname, M, max_ctas,
+                                                                 gather, strided, res, w, kw))
+                    if ROLES_FORM in RS_FORMS:  # NOTE [reduce-scatter roles by TMA]: thread stores
+                        got[ROLES_FORM + " strided"] = outputs(run(ROLES_FORM, qname, M, max_ctas,
+                                                                   gather, strided, res, w, kw))
                     torch.cuda.synchronize()
                     ws.raise_if_failed()
                     what = f"{qname} M={M} max_ctas={max_ctas} gather={gather}"
                     for form in list(got)[1:]:
                         for name, p, q in zip(("residual", "y", "q", "scales"),
-                                              got[form], got[REDUCESCATTER_FORMS[0]]):
+                                              got[form], got[RS_FORMS[0]]):
                             assert (p is None) == (q is None) and (p is None or torch.equal(p, q)), \
                                 f"{what}: {form} {name} differs from the serial form's"
-                    h, y = got[REDUCESCATTER_FORMS[-1]][:2]
+                    h, y = got[RS_FORMS[-1]][:2]
                     assert torch.equal(h, as_bytes(want.residual[a:b])), f"{what}: residual"
                     rows = slice(None) if gather else slice(a, b)
                     assert torch.equal(y, as_bytes(want.y[rows])), f"{what}: y"
@@ -217,16 +224,16 @@ def _body_reducescatter_forms_agree() -> None:
             kw, _ = quant_kwargs(qname)
             x, res, w = make_inputs(M, H, ws.rank, 99, world=ws.world_size)
             last = {}
-            nforms = len(REDUCESCATTER_FORMS)
+            nforms = len(RS_FORMS)
             for i in range(14 * nforms):
-                form = REDUCESCATTER_FORMS[i % nforms]
+                form = RS_FORMS[i % nforms]
                 # the forms' last calls (one per form) gather alike: their outputs compare
                 last[form] = run(form, qname, M, max_ctas, (i // nforms) % 3 == 0, x, res, w, kw)
                 if i % 5 == 4:
                     distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, **kw)
             torch.cuda.synchronize()
             ws.raise_if_failed()
-            first, *others = [outputs(last[form]) for form in REDUCESCATTER_FORMS]
+            first, *others = [outputs(last[form]) for form in RS_FORMS]
             assert all(p is None and q is None or torch.equal(p, q)
                        for shard in others for p, q in zip(shard, first)), \
                 "back to back: the forms' outputs differ"
@@ -238,7 +245,7 @@ def _body_reducescatter_forms_agree() -> None:
             x, res, w = make_inputs(M, H, ws.rank, 98, world=ws.world_size)
             want = distnorm.allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, norm_out=True,
                                                   **kw)
-            for form in REDUCESCATTER_FORMS:
+            for form in RS_FORMS:
                 got = outputs(run(form, qname, M, max_ctas, True, x, res, w, kw))
                 torch.cuda.synchronize()
                 ws.raise_if_failed()
@@ -279,7 +286,7 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
                 if qname == "none":
                     keys.append(key(algo, form, None, M, False, False, True))
     if test == "test_reducescatter_forms_agree":  # gathered and not; the all-reduce it matches
-        for form in REDUCESCATTER_FORMS + (TMA_R1,):
+        for form in RS_VARIANTS:
             tuning = Tuning.from_env()
             rows = dict(tuning.rows_per_cta)
             if form == TMA_R1:

@@ -79,8 +79,11 @@ def failure(ws) -> Optional[CommError]:
             f"distnorm: {where}: rank {peer} did not reach the workspace's host barrier within "
             f"DISTNORM_HOST_TIMEOUT_S (first lamport call or reset); it died, hangs, or never makes "
             f"this call. {_RECOVER}", code=code, rank=ws.rank, peer=peer, epoch=detail)
+    # a peer that stopped calling still shows its last (earlier) launch, so differing descriptors
+    # mean other arguments or a rank that has not reached this call: the words hold no call count
     hint = (f" The last launches differ ({'; '.join(diffs)}): the ranks called with other "
-            "arguments." if diffs else " A peer died, hangs, or did not make the same call.")
+            f"arguments, or rank {peer} has not made this call (its last launch was an earlier "
+            "one)." if diffs else " A peer died, hangs, or did not make the same call.")
     return CommTimeoutError(
         f"distnorm: {where} gave up waiting for rank {peer} (epoch/area {detail}) after "
         f"DISTNORM_BARRIER_TIMEOUT_S.{hint} Last launches: {launches or 'unknown'}. {_RECOVER}",

@@ -27,10 +27,11 @@ QUANTS = {
 }
 
 
-# NOTE [bulk-copy pushes], [reduce-scatter roles by TMA]: reduce-scatter forms built but not yet
-# run on a GPU. The GPU tests take them only with DISTNORM_UNVERIFIED_FORMS=1 (the device plan's
-# first run of them), so that a fault in an unverified kernel (a fault poisons the process's CUDA
-# context) cannot take a user's suite down with it; a form leaves this tuple once a GPU run passed it.
+# NOTE [bulk-copy pushes], [reduce-scatter roles by TMA]: reduce-scatter forms not yet run on two
+# GPUs (they passed with 2 ranks sharing one, where every peer write stays in one GPU's memory and
+# no bulk copy crosses NVLink). The GPU tests take them only with DISTNORM_UNVERIFIED_FORMS=1, so that
+# a fault in an unverified kernel (a fault poisons the process's CUDA context) cannot take a user's
+# suite down with it; a form leaves this tuple once a run on two GPUs passed it.
 UNVERIFIED_RS_FORMS = ("pipelined-tma", "roles-tma")
 
 

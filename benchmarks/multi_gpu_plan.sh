@@ -36,6 +36,11 @@
 #                   rows (a column per form, _r1 / _pipe_r1 / _pipe2_r1 with one row per CTA, _lin / _g2_lin
 #                   with swizzled scales pushed linear and laid out after the kernel (gather_by "epilogue");
 #                   the all-reduces alone beside them)
+#   sanitize        compute-sanitizer memcheck: the canaries first (tests/sanitizer_canary.py: a
+#                   thread-store and a bulk-copy write where nothing is mapped must each be
+#                   reported, else a clean run says nothing), then the reduce-scatter forms test
+#                   (RS_FORMS, default serial + the two TMA forms, unverified ones included) and
+#                   the all-reduce forms test on N ranks, waits given 150 s; 0 errors expected
 #   faults-ab       fault handling's cost: bench_allreduce_fusion's distnorm cases from 06bbda4 (which
 #                   brought it), its parent and this tree, alternated (benchmarks/ab_trees.py)
 #   tuning          bench_allreduce_fusion's fused FP8 and plain cases with the two-shot forms
@@ -114,6 +119,16 @@ case $STEP in
       --no-compile --tokens 512 2048 8192 16384 --hidden 4096 8192 --formats fp8 nvfp4 \
       --cases '^(dn_rs_(fp8|nvfp4)(_gather)?(_serial|_pipe|_pipe2|_pipe8|_pipe16|_pipe32|_g2|_g4|_r1|_pipe_r1|_pipe2_r1|_lin|_g2_lin)?|dn_ar|nccl_ar|symm2)$' \
       --out "$OUT/seqpar_rounds_$tag" ;;
+  sanitize) mc=(compute-sanitizer --tool memcheck --report-api-errors no --target-processes all
+          --error-exitcode 9 --print-limit 200)
+      for m in st tma; do  # each canary must be caught: rc 9 from the sanitizer
+        run "canary_$m" "${mc[@]}" python tests/sanitizer_canary.py "$m"
+        [ $? -eq 9 ] || echo "canary $m: memcheck did not report the bad write: a clean run below proves nothing"
+      done
+      DISTNORM_UNVERIFIED_FORMS=1 DISTNORM_RS_FORMS=${RS_FORMS:-serial,pipelined-tma,roles-tma} \
+      DISTNORM_BARRIER_TIMEOUT_S=150 DISTNORM_HOST_TIMEOUT_S=150 run memcheck_forms "${mc[@]}" \
+      torchrun --master-port "$PORT" --nproc-per-node "$N" -m pytest tests/multigpu/test_forms_gpu.py \
+      -k "reducescatter or test_forms_agree" -q -rfs -p no:cacheprovider ;;
   faults-ab) wt=${AB_TREES:-}   # AB_TREES=DIR: DIR/before and DIR/after made beforehand (the device copy has no .git):
       # mkdir -p DIR/before DIR/after && git archive 06bbda4^ | tar -x -C DIR/before && git archive 06bbda4 | tar -x -C DIR/after
       if [ -z "$wt" ]; then wt=$(mktemp -d)
@@ -149,7 +164,7 @@ case $STEP in
       done
       exit $rc ;;
   *) echo "STEP=$STEP: expected one of list, pairs, tests-torchrun, tests-mpirun, tests-plain," \
-          "faults, allreduce, seqpar, fallback, tp-layer, push, shared-world, rs-forms, faults-ab, tuning," \
+          "faults, allreduce, seqpar, fallback, tp-layer, push, shared-world, rs-forms, sanitize, faults-ab, tuning," \
           "twoshot-forms, ab," \
           "tree-tests" >&2; exit 2 ;;
 esac

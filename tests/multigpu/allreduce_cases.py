@@ -37,11 +37,18 @@ UNVERIFIED_RS_FORMS = ("pipelined-tma", "roles-tma")
 
 def rs_forms_under_test() -> tuple:
     """The reduce-scatter forms the GPU tests run: every one with DISTNORM_UNVERIFIED_FORMS=1,
-    else those a GPU run has passed."""
+    else those a GPU run has passed; DISTNORM_RS_FORMS=a,b,... keeps only those of them (e.g. a
+    compute-sanitizer run of a few forms: "serial" first, the one the others are compared with)."""
     from distnorm.collectives.plan import REDUCESCATTER_FORMS
-    if os.environ.get("DISTNORM_UNVERIFIED_FORMS") == "1":
-        return REDUCESCATTER_FORMS
-    return tuple(f for f in REDUCESCATTER_FORMS if f not in UNVERIFIED_RS_FORMS)
+    forms = REDUCESCATTER_FORMS
+    if os.environ.get("DISTNORM_UNVERIFIED_FORMS") != "1":
+        forms = tuple(f for f in forms if f not in UNVERIFIED_RS_FORMS)
+    wanted = [f.strip() for f in os.environ.get("DISTNORM_RS_FORMS", "").split(",") if f.strip()]
+    unknown = [f for f in wanted if f not in REDUCESCATTER_FORMS]
+    if unknown:
+        raise ValueError(f"DISTNORM_RS_FORMS: unknown forms {unknown}; expected some of "
+                         f"{REDUCESCATTER_FORMS}")
+    return tuple(f for f in forms if f in wanted) if wanted else forms
 
 
 def group_bootstrap():

@@ -240,3 +240,25 @@ def test_compile_tally_adds_compile_seconds_to_the_running_test():
     assert lines[0].startswith("distnorm compile time: 3 kernels in 5.0 s")
     assert "t::b" in lines[1] and "3.0 s" in lines[1] and "t::a" in lines[2] and "2 kernels" in lines[2]
     assert CompileTally().summary() == []
+
+
+def test_reducescatter_forms_under_test_from_the_environment(monkeypatch):
+    """The GPU tests' reduce-scatter forms: the unverified ones only on request, DISTNORM_RS_FORMS
+    keeps the named ones in their order of REDUCESCATTER_FORMS, an unknown name is an error."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "multigpu"))
+    from allreduce_cases import UNVERIFIED_RS_FORMS, rs_forms_under_test
+    from distnorm.collectives.plan import REDUCESCATTER_FORMS
+
+    monkeypatch.delenv("DISTNORM_UNVERIFIED_FORMS", raising=False)
+    monkeypatch.delenv("DISTNORM_RS_FORMS", raising=False)
+    default = rs_forms_under_test()
+    assert default[0] == "serial" and not set(default) & set(UNVERIFIED_RS_FORMS)
+    monkeypatch.setenv("DISTNORM_UNVERIFIED_FORMS", "1")
+    assert rs_forms_under_test() == REDUCESCATTER_FORMS
+    monkeypatch.setenv("DISTNORM_RS_FORMS", "roles-tma, serial")
+    assert rs_forms_under_test() == ("serial", "roles-tma")
+    monkeypatch.delenv("DISTNORM_UNVERIFIED_FORMS")
+    assert rs_forms_under_test() == ("serial",)  # still gated
+    monkeypatch.setenv("DISTNORM_RS_FORMS", "serial,pipelined-99")
+    with pytest.raises(ValueError, match="DISTNORM_RS_FORMS.*pipelined-99"):
+        rs_forms_under_test()

@@ -161,6 +161,13 @@ def check_rows_aligned(tensors, M: int) -> None:
             check_aligned(name, t, a)
 
 
+def scales_alignment(spec: Optional[QuantSpec]) -> int:
+    """Bytes a scales output must be aligned to: the 128x4-swizzled layout's padding rows are
+    stored as 4-byte words (NOTE [padding words] in kernels/allreduce.py); other layouts' scales are
+    stored one element at a time (float32 ones are aligned by their dtype)."""
+    return 4 if spec is not None and spec.swizzled else 1
+
+
 def q_alignment(spec: Optional[QuantSpec]) -> int:
     """Bytes a q row (and q's data pointer) must be aligned to: the kernels store q in 32-bit words,
     FP8 codes two words (8 bytes) at a time (no quantization: no q, any value)."""

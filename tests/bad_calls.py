@@ -17,7 +17,7 @@ def inputs(shape, device, seed=0, dtype=torch.bfloat16):
 BAD_CASES = ["residual rows", "residual dtype", "residual type", "weight length", "weight dtype",
              "x dtype", "H", "scale missing", "scale dtype", "scale size", "residual_out rows",
              "y_out dtype", "q_out dtype", "q_out shape", "scales_out strides", "q_out misaligned",
-             "eps int-like string"]
+             "scales_out misaligned", "eps int-like string"]
 
 
 def bad_call(case: str, device, op):
@@ -58,6 +58,11 @@ def bad_call(case: str, device, op):
             x, res, w, quant="fp8", scale=s,
             q_out=torch.empty(4 * 512 + 8, dtype=f8, device=device)[1:1 + 4 * 512].view(4, 512)),
             "q_out rows must start at 8-byte aligned"),
+        # the swizzled layout's padding words are 4-byte stores (a misaligned one faults the kernel)
+        "scales_out misaligned": (lambda: op(
+            x, res, w, quant="nvfp4", global_scale=s,
+            scales_out=torch.empty(128 * 32 + 4, dtype=f8, device=device)[1:1 + 128 * 32].view(128, 32)),
+            "scales_out rows must start at 4-byte aligned"),
         "eps int-like string": (lambda: op(x, res, w, "1e-6"), "eps must be a finite"),
     }
     return calls[case]

@@ -161,11 +161,16 @@ def check_rows_aligned(tensors, M: int) -> None:
             check_aligned(name, t, a)
 
 
-def scales_alignment(spec: Optional[QuantSpec]) -> int:
-    """Bytes a scales output must be aligned to: the 128x4-swizzled layout's padding rows are
-    stored as 4-byte words (NOTE [padding words] in kernels/allreduce.py); other layouts' scales are
-    stored one element at a time (float32 ones are aligned by their dtype)."""
-    return 4 if spec is not None and spec.swizzled else 1
+def check_scales_aligned(scales_out: Optional[Tensor], spec: Optional[QuantSpec]) -> None:
+    """At dispatch, on every device: a given 128x4-swizzled scales output starts 16-byte aligned
+    (its padding rows are zeroed in 16-byte units, NOTE [padding words] in kernels/allreduce.py; its
+    rows need no more, a tile being a multiple of 512 bytes). Other layouts' scales are stored one
+    element at a time (float32 ones aligned by their dtype)."""
+    if scales_out is not None and spec is not None and spec.swizzled and scales_out.data_ptr() % 16:
+        raise ValueError(f"scales_out must start at a 16-byte aligned address (the swizzled "
+                         f"layout's padding rows are stored in 16-byte units); got data_ptr() % 16 "
+                         f"= {scales_out.data_ptr() % 16}: pass a tensor of its own or a view at a "
+                         f"multiple of 16 bytes")
 
 
 def q_alignment(spec: Optional[QuantSpec]) -> int:

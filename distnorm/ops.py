@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows_aligned, checked_mode,
                    copy_outputs, format_scalar, kernel_scalars, q_alignment, returned_scales,
-                   scales_alignment)
+                   check_scales_aligned)
 from .kernels.tiling import cluster_sizes
 from .formats import NormQuantOutput, QuantSpec, kernel_spec, make_quant_spec, spec_code
 from .rows import call_on_rows
@@ -219,8 +219,8 @@ def _run_reference(x, residual, weight, eps, spec, scale, global_scale, gemma, r
 def _impl(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out, q_out,
           scales_out) -> None:
     check_rows_aligned((("x", x), ("residual", residual), ("residual_out", residual_out),
-                        ("y_out", y_out), ("q_out", q_out, q_alignment(spec)),
-                        ("scales_out", scales_out, scales_alignment(spec))), x.shape[0])
+                        ("y_out", y_out), ("q_out", q_out, q_alignment(spec))), x.shape[0])
+    check_scales_aligned(scales_out, spec)
     if x.is_cuda:
         run_fused_norm_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma,
                               residual_out, y_out, q_out, scales_out)

@@ -58,11 +58,11 @@ def bad_call(case: str, device, op):
             x, res, w, quant="fp8", scale=s,
             q_out=torch.empty(4 * 512 + 8, dtype=f8, device=device)[1:1 + 4 * 512].view(4, 512)),
             "q_out rows must start at 8-byte aligned"),
-        # the swizzled layout's padding words are 4-byte stores (a misaligned one faults the kernel)
+        # the swizzled layout's padding rows are 16-byte stores (a misaligned one faults the kernel)
         "scales_out misaligned": (lambda: op(
             x, res, w, quant="nvfp4", global_scale=s,
-            scales_out=torch.empty(128 * 32 + 4, dtype=f8, device=device)[1:1 + 128 * 32].view(128, 32)),
-            "scales_out rows must start at 4-byte aligned"),
+            scales_out=torch.empty(128 * 32 + 16, dtype=f8, device=device)[4:4 + 128 * 32].view(128, 32)),
+            "scales_out must start at a 16-byte aligned address"),
         "eps int-like string": (lambda: op(x, res, w, "1e-6"), "eps must be a finite"),
     }
     return calls[case]

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from distnorm.args import (DTYPE_NAMES, check_rows_aligned, format_scalar, kernel_scalars,
-                           q_alignment, scales_alignment)
+                           q_alignment, check_scales_aligned)
 from distnorm.collectives.faults import after_launch, raise_if_failed
 from distnorm.collectives.plan import Tuning, plan_launch, sized_ladder
 from distnorm.collectives.state import state_of
@@ -233,8 +233,8 @@ def run(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out
     """One all-reduce call on checked arguments and allocated outputs."""
     check_rows_aligned((("x", x), ("residual", residual), ("residual_out", residual_out),
                         ("y_out", y_out), ("allreduce_out", ar_out),
-                        ("q_out", q_out, q_alignment(spec)),
-                        ("scales_out", scales_out, scales_alignment(spec))), x.shape[0])
+                        ("q_out", q_out, q_alignment(spec))), x.shape[0])
+    check_scales_aligned(scales_out, spec)
     if x.is_cuda and ws.p2p_ok:
         run_kernel(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
                    q_out, scales_out, ar_out, ws, algo)

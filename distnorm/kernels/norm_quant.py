@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 
 from distnorm.formats import (VEC, QuantSpec, swizzled_offset, swizzled_tile_words,
                               swizzled_word_row)
 from distnorm.kernels import ptx
 from distnorm.kernels.block_scales import BlockScales, pairwise
 from distnorm.kernels.split_parts import SplitParts
+from distnorm.kernels.sync import st_weak_u32, st_weak_v4_u32
 from distnorm.kernels.tiling import RowTiling
 
 # what _e2m1_biased_magnitude returns on top of the magnitude code: its rounded - binade is
@@ -525,10 +526,23 @@ class NormQuantCore(BlockScales, SplitParts):
 
     @cute.jit
     def store_padding_words(self, mS, m: Int32, first: Int32, step: Int32):
-        """store_padding_scales as a grid-stride loop: words first, first + step, ... of the last
-        partial tile (none when m fills whole tiles). NOTE [padding words] in kernels/allreduce.py."""
-        words, base, tile_words = self._padding_tile(mS, m)
-        if m % 128 != 0:
-            for w in range(first, tile_words, step):
-                if swizzled_word_row(w) >= m % 128:
-                    words[base + w] = Int32(0)
+        """store_padding_scales as a grid-stride loop over the 16-byte units first, first + step,
+        ... of the last, partial tile (none when m fills whole tiles); mS starts 16-byte aligned
+        (the ops check a given scales_out; a tile is a multiple of 512 bytes). Unit u holds word j
+        of row j * 32 + u % 32 (formats.swizzled_word_row of word 4u + j), so a unit whose first
+        row is a padding row is stored whole, one that also holds real rows word by word, and at
+        one row a thread stores a quarter of the words one at a time would take (NOTE [padding
+        words] in kernels/allreduce.py)."""
+        tile_words = swizzled_tile_words(self.t.hidden // self.q.group_size)
+        real = m % 128
+        if real != 0:
+            base = mS.iterator.toint() + Int64(m // 128) * Int64(tile_words * 4)
+            for u in range(first, tile_words // 4, step):
+                r = u & Int32(31)
+                unit = base + Int64(u) * Int64(16)
+                if r >= real:
+                    st_weak_v4_u32(unit, Int32(0), Int32(0), Int32(0), Int32(0))
+                elif r + Int32(96) >= real:
+                    for j in cutlass.range_constexpr(1, 4):  # word 0 is row r's: real
+                        if r + Int32(32 * j) >= real:
+                            st_weak_u32(unit + Int64(4 * j), Int32(0))

@@ -70,9 +70,12 @@ from distnorm.kernels.sync import cta_barrier, ld_volatile_sys_u32, st_volatile_
 # NOTE [padding words]
 # The 128x4 swizzled scale layout has whole 128-row tiles, so a call of M rows also writes zero
 # scales for rows M .. round_up(M, 128) - 1. Lamport hands out only the M real rows as row groups,
-# and every thread of the grid zeroes the padding rows' 4-byte words of the last tile in memory
-# order (NormQuantCore.store_padding_words; the single-GPU kernel's NOTE [padding CTAs]) before
-# its polls, while it would wait anyway. Before, padding rows were row groups like real ones: at
+# and every thread of the grid zeroes the padding rows' scales of the last tile in memory order,
+# in 16-byte units (4-byte words where a unit also holds real rows: NormQuantCore.
+# store_padding_words; the single-GPU kernel's NOTE [padding CTAs]) before its polls, while it
+# would wait anyway. (Words at first: at one row, 32 passes of a 17-instruction loop a thread on
+# the 2 CTAs of the grid, a likely part of NVFP4 lamport's 5.5 us at one row against 4.6 at 8 rows
+# on 2 x H200; the units take 8 passes, not yet timed.) Before, padding rows were row groups like real ones: at
 # one NVFP4 row a grid of a CTA per padding row group, each through the call's polls and arrival.
 # Measured on 4 x H200 (benchmarks/results/padding_words_ab_h200_x4.md): fused NVFP4 lamport
 # 6.52 -> 6.08 us at 1 x 4096, 6.72 -> 5.22 at 8 x 4096, 8.22 -> 6.61 at 8 x 8192. One-shot keeps

@@ -75,8 +75,9 @@ from distnorm.kernels.sync import cta_barrier, ld_volatile_sys_u32, st_volatile_
 # store_padding_words; the single-GPU kernel's NOTE [padding CTAs]) before its polls, while it
 # would wait anyway. (Words at first: at one row, 32 passes of a 17-instruction loop a thread on
 # the 2 CTAs of the grid, a likely part of NVFP4 lamport's 5.5 us at one row against 4.6 at 8 rows
-# on 2 x H200; the units take 8 passes, not yet timed.) Before, padding rows were row groups like real ones: at
-# one NVFP4 row a grid of a CTA per padding row group, each through the call's polls and arrival.
+# on 2 x H200; the units take 8 passes, not yet timed.) Before, padding rows were row groups like
+# real ones: at one NVFP4 row a grid of a CTA per padding row group, each through the call's polls
+# and arrival.
 # Measured on 4 x H200 (benchmarks/results/padding_words_ab_h200_x4.md): fused NVFP4 lamport
 # 6.52 -> 6.08 us at 1 x 4096, 6.72 -> 5.22 at 8 x 4096, 8.22 -> 6.61 at 8 x 8192. One-shot keeps
 # its padding row groups: there the words made one NVFP4 row 16% slower (8.53 -> 9.90 us at

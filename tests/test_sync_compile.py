@@ -220,14 +220,12 @@ def test_algorithm_form_tuning(monkeypatch):
     from distnorm.kernels.reducescatter import RS_FORM_ROUNDS
     assert tuple(RS_FORM_ROUNDS) == REDUCESCATTER_FORMS
     assert [RS_FORM_ROUNDS[f] for f in REDUCESCATTER_FORMS] == [1, 4, 8, 16, 32, 2, -2, -4, -2, 1]
-    # NOTE [bulk-copy pushes]: "pipelined-tma" is in no ladder, reached only when forced
-    assert all(form != "pipelined-tma" for table in SIZED_FORMS.values()
-               for ladder in table.values() for _, form in ladder)
-    assert Tuning(reducescatter_form="pipelined-tma").form("rsgather", 0) == "pipelined-tma"
-    # NOTE [reduce-scatter roles by TMA]: likewise "roles-tma"
-    assert all(form != "roles-tma" for table in SIZED_FORMS.values()
-               for ladder in table.values() for _, form in ladder)
-    assert Tuning(reducescatter_form="roles-tma").form("rsgather", 0) == "roles-tma"
+    # NOTE [bulk-copy pushes], [reduce-scatter roles by TMA]: the TMA forms are in no ladder,
+    # reached only when forced
+    for tma_form in ("pipelined-tma", "roles-tma"):
+        assert all(form != tma_form for table in SIZED_FORMS.values()
+                   for ladder in table.values() for _, form in ladder)
+        assert Tuning(reducescatter_form=tma_form).form("rsgather", 0) == tma_form
     # packed FP4 has its own ladder by world size (the kernel key picks it)
     from distnorm.formats import make_quant_spec
     sizes = (8 << 20, 16 << 20, 32 << 20, 64 << 20, 128 << 20, 256 << 20)

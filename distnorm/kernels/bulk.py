@@ -71,18 +71,6 @@ def mbar_init(mbar, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def bulk_load_g2s(saddr, gaddr, nbytes, mbar, *, loc=None, ip=None) -> None:
-    """cp.async.bulk of nbytes from global gaddr into shared saddr; the mbarrier at mbar expects
-    them (its phase completes when they have landed): the arrival and the copy in one, for a
-    phase of one copy."""
-    inline_asm(None, [ir_i32(saddr, loc, ip), ir_i64(gaddr, loc, ip), ir_i32(nbytes, loc, ip),
-                      ir_i32(mbar, loc, ip)],
-               "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$3], $2;\n\t"
-               "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, "
-               "[$3];", "r,l,r,r,~{memory}", True)
-
-
-@dsl_user_op
 def mbar_arrive_expect_tx(mbar, nbytes, *, loc=None, ip=None) -> None:
     """This phase's one arrival at the mbarrier at mbar, expecting nbytes (0: the phase completes
     at once); the copies that bring them (bulk_copy_g2s) may be issued after it."""
@@ -98,6 +86,14 @@ def bulk_copy_g2s(saddr, gaddr, nbytes, mbar, *, loc=None, ip=None) -> None:
                       ir_i32(mbar, loc, ip)],
                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, "
                "[$3];", "r,l,r,r,~{memory}", True)
+
+
+def bulk_load_g2s(saddr, gaddr, nbytes, mbar) -> None:
+    """cp.async.bulk of nbytes from global gaddr into shared saddr, with the mbarrier at mbar's
+    one arrival expecting them (its phase completes when they have landed): for a phase of one
+    copy."""
+    mbar_arrive_expect_tx(mbar, nbytes)
+    bulk_copy_g2s(saddr, gaddr, nbytes, mbar)
 
 
 @dsl_user_op

@@ -501,13 +501,6 @@ class NormQuantCore(BlockScales, SplitParts):
         for c in cutlass.range_constexpr(k, (k + 3) // 4 * 4):
             self._store_scale(mS, row, Int32(c), Float32(0.0))
 
-    def _padding_tile(self, mS, m: Int32) -> tuple:
-        """(mS as 4-byte words, the first word of the last, partial tile, words in a tile)."""
-        tile_words = swizzled_tile_words(self.t.hidden // self.q.group_size)
-        words = cute.make_tensor(cute.recast_ptr(mS.iterator, dtype=Int32),
-                                 cute.make_layout(mS.shape[0] * mS.shape[1] // 4))
-        return words, (m // 128) * tile_words, tile_words
-
     @cute.jit
     def store_padding_scales(self, mS, m: Int32, first_word: Int32, tid: Int32, threads: int,
                              per_thread: int):
@@ -517,7 +510,10 @@ class NormQuantCore(BlockScales, SplitParts):
         contiguous bytes). A word holds one row's 4 blocks (formats.swizzled_word_row), so words of
         real rows are skipped whole and no byte is shared (rows past m in the last row block also
         get zeros from the epilogue: the same value). No synchronization."""
-        words, base, tile_words = self._padding_tile(mS, m)
+        tile_words = swizzled_tile_words(self.t.hidden // self.q.group_size)
+        words = cute.make_tensor(cute.recast_ptr(mS.iterator, dtype=Int32),
+                                 cute.make_layout(mS.shape[0] * mS.shape[1] // 4))
+        base = (m // 128) * tile_words  # the last, partial tile's first word
         for i in cutlass.range_constexpr(per_thread):
             w = first_word + i * threads + tid
             if w < tile_words:

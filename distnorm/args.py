@@ -66,6 +66,14 @@ def check_values(x: Tensor, residual, weight: Tensor, spec: Optional[QuantSpec],
                              "DISTNORM_CHECK=1)")
 
 
+def check_flags(**flags) -> None:
+    """Each keyword must be a bool: a string such as "False" is truthy and would silently select
+    the other kernel variant (gemma's (1 + w), or an output the caller did not ask for)."""
+    for name, value in flags.items():
+        if type(value) is not bool:
+            raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+
+
 def check_eps(eps) -> None:
     """eps must be a finite real number >= 0 (an int or float; not a bool)."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (

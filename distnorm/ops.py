@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows_aligned, checked_mode,
                    copy_outputs, format_scalar, kernel_scalars, q_alignment, returned_scales,
-                   check_scales_aligned)
+                   check_scales_aligned, check_flags)
 from .kernels.tiling import cluster_sizes
 from .formats import NormQuantOutput, QuantSpec, kernel_spec, make_quant_spec, spec_code
 from .rows import call_on_rows
@@ -319,6 +319,8 @@ def add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
                             scale_major=scale_major, scale_ue8m0=scale_ue8m0, gemma=gemma,
                             norm_out=norm_out, residual_out=residual_out, y_out=y_out, q_out=q_out,
                             scales_out=scales_out)
+    if type(gemma) is not bool or type(norm_out) is not bool:  # the inline test: host time
+        check_flags(gemma=gemma, norm_out=norm_out)
     if x.is_cuda and not checked_mode() and not torch.compiler.is_compiling():
         out = _launch_kernel_checked(x, residual, weight, eps, quant, group_size, sf_layout,
                                      scale_major, scale_ue8m0, scale, global_scale, gemma,

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from distnorm.args import check_flags
 from distnorm.collectives.ops import allreduce_add_rmsnorm
 from distnorm.collectives.seqpar import reduce_scatter_add_rmsnorm
 from distnorm.comm.workspace import Workspace
@@ -50,6 +51,7 @@ class _GroupNorm(nn.Module):
             raise ValueError(f"scale must be a float > 0, got {scale!r}")
         if not isinstance(workspace, Workspace):
             raise TypeError(f"workspace must be a distnorm.Workspace, got {type(workspace).__name__}")
+        check_flags(norm_out=norm_out, gemma=gemma)
         device = workspace.device if device is None else device
         self.hidden, self.eps, self.quant, self.norm_out = hidden, float(eps), quant, norm_out
         self.gemma, self.workspace = gemma, workspace
@@ -102,8 +104,9 @@ class ReduceScatterAddRMSNorm(_GroupNorm):
                  quant: Optional[str] = None, scale: Optional[float] = None,
                  norm_out: bool = False, gather: bool = True,
                  dtype: torch.dtype = torch.bfloat16, device=None, gemma: bool = False) -> None:
+        check_flags(gather=gather)
         super().__init__(hidden, workspace, eps, quant, scale, norm_out, dtype, device, gemma)
-        self.gather = bool(gather)
+        self.gather = gather
 
     def forward(self, partial: Tensor, residual: Optional[Tensor]) -> NormQuantOutput:
         out = reduce_scatter_add_rmsnorm(partial, residual, self.weight, self.eps,

@@ -17,7 +17,7 @@ def inputs(shape, device, seed=0, dtype=torch.bfloat16):
 BAD_CASES = ["residual rows", "residual dtype", "residual type", "weight length", "weight dtype",
              "x dtype", "H", "scale missing", "scale dtype", "scale size", "residual_out rows",
              "y_out dtype", "q_out dtype", "q_out shape", "scales_out strides", "q_out misaligned",
-             "scales_out misaligned", "eps int-like string"]
+             "scales_out misaligned", "eps int-like string", "gemma string", "norm_out int"]
 
 
 def bad_call(case: str, device, op):
@@ -64,5 +64,9 @@ def bad_call(case: str, device, op):
             scales_out=torch.empty(128 * 32 + 16, dtype=f8, device=device)[4:4 + 128 * 32].view(128, 32)),
             "scales_out must start at a 16-byte aligned address"),
         "eps int-like string": (lambda: op(x, res, w, "1e-6"), "eps must be a finite"),
+        # "False" is truthy: taken as a flag it would select gemma's (1 + w) without a word
+        "gemma string": (lambda: op(x, res, w, gemma="False"), "gemma must be a bool"),
+        "norm_out int": (lambda: op(x, res, w, quant="fp8", scale=s, norm_out=1),
+                         "norm_out must be a bool"),
     }
     return calls[case]

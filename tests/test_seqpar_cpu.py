@@ -90,6 +90,8 @@ def _body() -> None:
         distnorm.reduce_scatter_add_rmsnorm(torch.zeros(8, H, dtype=torch.bfloat16),
                                             torch.zeros(b - a, H + 4, dtype=torch.bfloat16)[:, 4:],
                                             w, workspace=ws)
+    with pytest.raises(TypeError, match="gather must be a bool"):  # "False" would gather
+        distnorm.reduce_scatter_add_rmsnorm(bad, None, w, workspace=ws, gather="False")
     ws.close()
 
 

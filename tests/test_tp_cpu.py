@@ -183,3 +183,11 @@ def test_module_argument_errors(module):
         norm(256, ws, quant="fp8", scale=-1.0)
     with pytest.raises(TypeError, match="distnorm.Workspace"):
         norm(256, "ws")
+    # a string flag is truthy: the module would run gemma's (1 + w) or return y unasked
+    with pytest.raises(TypeError, match="gemma must be a bool"):
+        norm(256, ws, gemma="False")
+    with pytest.raises(TypeError, match="norm_out must be a bool"):
+        norm(256, ws, norm_out="no")
+    if module == "ReduceScatterAddRMSNorm":
+        with pytest.raises(TypeError, match="gather must be a bool"):
+            norm(256, ws, gather="False")

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from distnorm.args import (allocate_outputs, check_op_inputs, check_rows, check_values,
-                           checked_mode, returned_scales)
+                           check_flags, checked_mode, returned_scales)
 from distnorm.collectives import dispatch
 from distnorm.collectives.faults import raise_if_failed
 from distnorm.collectives.plan import ALGOS
@@ -102,6 +102,8 @@ def allreduce_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor,
                             scale_ue8m0=scale_ue8m0, gemma=gemma, norm_out=norm_out,
                             allreduce_out=allreduce_out, algo=algo, residual_out=residual_out,
                             y_out=y_out, q_out=q_out, scales_out=scales_out)
+    if type(gemma) is not bool or type(norm_out) is not bool or type(allreduce_out) is not bool:
+        check_flags(gemma=gemma, norm_out=norm_out, allreduce_out=allreduce_out)
     spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
                            scale_major=scale_major, scale_ue8m0=scale_ue8m0)
     want_y = norm_out or spec is None or y_out is not None

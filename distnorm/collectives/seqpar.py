@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from distnorm.args import (allocate_outputs, check_op_inputs, check_rows,
+from distnorm.args import (allocate_outputs, check_flags, check_op_inputs, check_rows,
                            check_rows_aligned, format_scalar, kernel_scalars, returned_scales)
 from distnorm.collectives.ops import _handle, _workspace
 from distnorm.collectives.faults import after_launch, raise_if_failed
@@ -89,6 +89,7 @@ def reduce_scatter_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Te
     (norm_out or no quant), q [M_r, H] (fp4: [M_r, H/2]), scales in the format's layout for M_r
     rows. gather=True: q, scales (and y) for all M rows on every rank instead (residual stays the
     shard). Options as allreduce_add_rmsnorm."""
+    check_flags(gemma=gemma, norm_out=norm_out, gather=gather)
     group, world, rank = _group_of(workspace)
     x2 = as_rows("x", x)
     spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,

@@ -74,6 +74,14 @@ def check_flags(**flags) -> None:
             raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
 
 
+def check_count(name: str, value, minimum: int = 0) -> None:
+    """A row count or size: an int (not a bool) >= minimum, else TypeError / ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
 def check_eps(eps) -> None:
     """eps must be a finite real number >= 0 (an int or float; not a bool)."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (

@@ -9,6 +9,7 @@ import gc
 import importlib.util
 import multiprocessing
 import os
+import re
 import threading
 import time
 import uuid
@@ -386,3 +387,21 @@ def test_workspace_refuses_ranks_with_different_settings(env):
     and kernels of a call: ranks that differ would wait for each other until a timeout (NCCL's
     all_gather against an all_to_all: minutes), so the workspace refuses them when it is built."""
     spawn(_body_settings_differ, 2, env, timeout_s=120, cpu_only=True)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"buffer_bytes": -1}, ValueError, "buffer_bytes must be > 0"),
+    ({"buffer_bytes": 1.5}, TypeError, "buffer_bytes must be an int"),
+    ({"signal_bytes": 0}, ValueError, "signal_bytes must be > 0"),
+    ({"backend": "ucx"}, ValueError, "backend must be 'auto', 'none' or one of"),
+    ({"timeout_s": "3"}, TypeError, "timeout_s must be a float"),
+    ({"timeout_s": True}, TypeError, "timeout_s must be a float"),
+    ({"timeout_s": 0.0}, ValueError, "timeout_s must be finite and > 0"),
+    ({"timeout_s": float("inf")}, ValueError, "timeout_s must be finite and > 0"),  # no deadline
+    ({"timeout_s": float("nan")}, ValueError, "timeout_s must be finite and > 0"),
+])
+def test_workspace_argument_errors(kwargs, error, message):
+    """Each bad Workspace argument is refused before any rank talks to another (so every rank
+    raises alike), with the library's message naming it."""
+    with pytest.raises(error, match=re.escape(message)):
+        Workspace(None, device="cpu", **kwargs)

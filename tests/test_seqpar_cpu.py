@@ -92,6 +92,20 @@ def _body() -> None:
                                             w, workspace=ws)
     with pytest.raises(TypeError, match="gather must be a bool"):  # "False" would gather
         distnorm.reduce_scatter_add_rmsnorm(bad, None, w, workspace=ws, gather="False")
+    # the gathers and the row split: counts and shards named, never an operator's TypeError
+    with pytest.raises(TypeError, match="rows must be an int"):
+        distnorm.all_gather(bad[:4], workspace=ws, rows="8")
+    with pytest.raises(TypeError, match="t must be a torch.Tensor"):
+        distnorm.all_gather([1.0], workspace=ws, rows=8)
+    with pytest.raises(ValueError, match="M must be >= 0"):
+        distnorm.shard_rows(-3, ws)
+    nv = dict(quant="nvfp4", sf_layout="linear")
+    with pytest.raises(ValueError, match=f"scales must be this rank's {b - a} of 8 rows"):
+        distnorm.all_gather_scales(torch.empty(b - a, 3, dtype=torch.float8_e4m3fn), workspace=ws,
+                                   rows=8, hidden=H, **nv)
+    with pytest.raises(ValueError, match="hidden size H=100"):
+        distnorm.all_gather_scales(torch.empty(b - a, 6, dtype=torch.float8_e4m3fn), workspace=ws,
+                                   rows=8, hidden=100, **nv)
     ws.close()
 
 

@@ -30,15 +30,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from distnorm.args import (allocate_outputs, check_flags, check_op_inputs, check_rows,
-                           check_rows_aligned, format_scalar, kernel_scalars, returned_scales)
+from distnorm.args import (allocate_outputs, check_count, check_flags, check_op_inputs,
+                           check_rows, check_rows_aligned, format_scalar, kernel_scalars,
+                           returned_scales)
 from distnorm.collectives.ops import _handle, _workspace
 from distnorm.collectives.faults import after_launch, raise_if_failed
 from distnorm.collectives.rowsplit import (gather_in_place, gather_rows, linear_spec,
                                            reduce_rows, scales_to_layout, scales_to_linear,
                                            slice_bounds, slice_epilogue)
 from distnorm.comm.workspace import Workspace
-from distnorm.formats import (NormQuantOutput, QuantSpec, empty_scales, kernel_spec,
+from distnorm.formats import (NormQuantOutput, QuantSpec, check_hidden, empty_scales, kernel_spec,
                               make_quant_spec, pushed_scale_row_bytes, q_dtype, q_shape,
                               scales_geometry, spec_code)
 from distnorm.rows import as_rows
@@ -63,6 +64,7 @@ def _group_of(workspace) -> tuple:
 
 def shard_rows(M: int, workspace: Workspace) -> tuple[int, int]:
     """[start, stop) of this rank's rows of M (the row split every sequence-parallel op uses)."""
+    check_count("M", M)
     return slice_bounds(M, workspace.world_size, workspace.rank)
 
 
@@ -414,9 +416,12 @@ def _launch_scatter(ws: Workspace, state, x: Tensor, residual, residual_out, wei
 def all_gather(t: Tensor, *, workspace: Workspace, rows: int) -> Tensor:
     """Every rank's shard t [M_r, ...] (any dtype: bf16 rows, FP8 / packed FP4 q) in row order:
     [rows, ...] on every rank. rows: the full M (each shard must have its shard_rows size)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+    check_count("rows", rows)
     group, world, rank = _group_of(workspace)
     start, stop = slice_bounds(rows, world, rank)
-    if not isinstance(t, Tensor) or t.dim() < 1 or t.shape[0] != stop - start:
+    if t.dim() < 1 or t.shape[0] != stop - start:
         raise ValueError(f"t must be this rank's shard of {rows} rows: {stop - start} rows, got "
                          f"{tuple(getattr(t, 'shape', ()))}")
     return _gather(workspace, {"t": t}, {}, rows)["t"]
@@ -428,12 +433,22 @@ def all_gather_scales(scales: Tensor, *, workspace: Workspace, rows: int, hidden
     """The scales of every rank's shard (as reduce_scatter_add_rmsnorm returned them, in the
     format's layout for the shard's rows) as the scales of all `rows` rows in the same layout:
     the 128x4 swizzled layout is re-tiled for the full M, not concatenated."""
+    check_count("rows", rows)
+    check_count("hidden", hidden, 1)
     group, world, rank = _group_of(workspace)
     spec = make_quant_spec(quant, group_size=group_size, sf_layout=sf_layout,
                            scale_major=scale_major, scale_ue8m0=scale_ue8m0)
     if spec is None or scales_geometry(spec, rows, hidden) is None:
         raise ValueError(f"quant={quant!r} has no scales output to gather")
+    check_hidden(spec, hidden)
     start, stop = slice_bounds(rows, world, rank)
+    shape, _, dtype = scales_geometry(spec, stop - start, hidden)
+    if not isinstance(scales, Tensor):
+        raise TypeError(f"scales must be a torch.Tensor, got {type(scales).__name__}")
+    if tuple(scales.shape) != shape or scales.dtype != dtype:
+        raise ValueError(f"scales must be this rank's {stop - start} of {rows} rows in quant="
+                         f"{quant!r}'s layout: {shape} {dtype}, got {tuple(scales.shape)} "
+                         f"{scales.dtype}")
     linear = scales_to_linear(scales, spec, stop - start, hidden)
     full = _gather(workspace, {"s": linear}, {}, rows)["s"]
     return _in_layout(full, spec, rows, hidden)

@@ -209,8 +209,10 @@ class Workspace:
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
         if backend not in ("auto", "none") and backend not in BACKENDS:
             raise ValueError(f"backend must be 'auto', 'none' or one of {BACKENDS}, got {backend!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+            raise TypeError(f"timeout_s must be a float (seconds), got {type(timeout_s).__name__}")
+        if not 0 < timeout_s < math.inf:  # an infinite wait is the hang the deadline exists for
+            raise ValueError(f"timeout_s must be finite and > 0, got {timeout_s}")
         apply_no_multicast_env()
         import torch
 

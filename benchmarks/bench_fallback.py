@@ -47,6 +47,7 @@ from common import time_graph_us  # noqa: E402
 
 import distnorm  # noqa: E402
 from distnorm.collectives.dispatch import gathered_sum  # noqa: E402
+from distnorm.collectives.rowsplit import gather_into_tensor  # noqa: E402
 from distnorm.launch import init_distributed  # noqa: E402
 
 SHAPES = [(M, H) for H in (4096, 8192) for M in (1, 16, 128, 512, 2048, 8192, 16384)]
@@ -106,8 +107,8 @@ def _callables(x, res, w, peer, nccl, chain):
     parts = gathered.view(world, *x.shape)
     paths.update({
         "nccl-ar": lambda: dist.all_reduce(buf),
-        "nccl-ag": lambda: dist.all_gather_into_tensor(gathered, x),
-        "nccl-ag-inplace": lambda: dist.all_gather_into_tensor(gathered, parts[dist.get_rank()]),
+        "nccl-ag": lambda: gather_into_tensor(gathered, x),
+        "nccl-ag-inplace": lambda: gather_into_tensor(gathered, parts[dist.get_rank()]),
         "nccl-a2a": lambda: dist.all_to_all_single(exchanged, x),
         "fused": lambda: distnorm.add_rmsnorm(x, res, w, 1e-6, **kw),
         "fold": lambda: fold_epilogue(parts, res, w, 1e-6, spec, None, None, False, res_out, None,

@@ -66,6 +66,7 @@ from common import plot_us_per_m, time_graph_us, unfused_tail  # noqa: E402
 
 import distnorm  # noqa: E402
 from distnorm.collectives import seqpar  # noqa: E402
+from distnorm.collectives.rowsplit import gather_into_tensor  # noqa: E402
 from distnorm.collectives.state import state_of  # noqa: E402
 from distnorm.launch import init_distributed  # noqa: E402
 
@@ -192,7 +193,7 @@ def cases(x, res, w, ws, nccl: bool, symm, compiled_tail, formats=FORMATS,
         def unfused(tail):
             dist.reduce_scatter_tensor(shard, x)
             h, q = tail(shard, res_shard, w, inv)
-            dist.all_gather_into_tensor(q_all, q.view(torch.uint8))
+            gather_into_tensor(q_all, q.view(torch.uint8))
             return h, q_all
         c["unfused_fp8"] = lambda: unfused(unfused_tail)
         if compiled_tail is not None:

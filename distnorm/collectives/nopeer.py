@@ -55,8 +55,8 @@ import torch
 from torch import Tensor
 
 from distnorm.collectives.plan import NOPEER_FORMS
-from distnorm.collectives.rowsplit import (exchange_slices, fold_slices, linear_spec,
-                                           scales_to_layout, slice_bounds)
+from distnorm.collectives.rowsplit import (exchange_slices, fold_slices, gather_into_tensor,
+                                           linear_spec, scales_to_layout, slice_bounds)
 from distnorm.formats import QuantSpec, q_shape, scales_geometry
 
 __all__ = ["allreduce_no_peer", "fold_epilogue", "form_for", "COLLECTIVE_BYTES"]
@@ -156,7 +156,7 @@ class PackedRows:
 
         world = dist.get_world_size(group)
         recv = torch.empty(world * self.total, dtype=torch.uint8, device=self.buffer.device)
-        dist.all_gather_into_tensor(recv, self.buffer, group=group)
+        gather_into_tensor(recv, self.buffer, group=group)
         recv = recv.view(world, self.total)
         S = self.S
         full, rem = divmod(M, S)
@@ -200,14 +200,13 @@ def _overlap_ok(x: Tensor) -> bool:
 def _gather_form(x, residual, weight, eps, spec, scale, global_scale, gemma, residual_out, y_out,
                  q_out, scales_out, group, world: int, chunk_rows: int) -> None:
     """NOTE [no-peer forms], gather: per chunk, all_gather x's rows, fold them into the outputs."""
-    import torch.distributed as dist
     from distnorm.collectives.dispatch import _rows, _scale_rows
 
     M, H = x.shape
 
     def start(a, b, async_op):
         parts = torch.empty(world * (b - a), H, dtype=x.dtype, device=x.device)  # gloo: 2-D
-        return parts, dist.all_gather_into_tensor(parts, x[a:b].contiguous(), group=group,
+        return parts, gather_into_tensor(parts, x[a:b].contiguous(), group=group,
                                                   async_op=async_op)
 
     def finish(a, b, parts):
@@ -260,7 +259,6 @@ def _split_h_form(x, residual, weight, eps, spec, scale, global_scale, gemma, re
     """NOTE [no-peer forms], split-h: per chunk, all_to_all the row slices, fold this rank's slice
     into its rows of h, all_gather h (in place in residual_out when the chunk splits evenly), then
     the single-GPU op on the chunk's h rows (no residual) into y / q / scales."""
-    import torch.distributed as dist
     from distnorm.collectives.dispatch import _rows, _scale_rows
     from distnorm.ops import _impl as add_rmsnorm_rows
 
@@ -274,7 +272,7 @@ def _split_h_form(x, residual, weight, eps, spec, scale, global_scale, gemma, re
         h = dst if in_place else x.new_empty(world * S, H)
         fold_epilogue(parts[:, :s1 - s0], residual[a + s0:a + s1], weight, eps, None, None, None,
                       gemma, h[s0:s1], None, None, None)
-        dist.all_gather_into_tensor(h, h[rank * S:(rank + 1) * S], group=group)
+        gather_into_tensor(h, h[rank * S:(rank + 1) * S], group=group)
         if not in_place:
             dst.copy_(h[:b - a])
         # the single-GPU op's body (kernel on CUDA, reference on the CPU) on h, no residual

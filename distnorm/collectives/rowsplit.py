@@ -32,6 +32,15 @@ def slice_bounds(M: int, world: int, rank: int) -> tuple[int, int]:
     return start, min(M, start + S)
 
 
+def gather_into_tensor(out: Tensor, inp: Tensor, group=None, async_op: bool = False):
+    """torch.distributed's all-gather of equal parts into one tensor: all_gather_single where torch
+    has it (from 2.12 all_gather_into_tensor is a deprecated alias that warns at every call),
+    all_gather_into_tensor before. out: [world * n, ...], inp: [n, ...]."""
+    import torch.distributed as dist
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, inp, group=group, async_op=async_op)
+
+
 def _world_rank(group) -> tuple[int, int]:
     import torch.distributed as dist
     return dist.get_world_size(group), dist.get_rank(group)
@@ -105,8 +114,6 @@ def row_bytes(t: Tensor) -> Tensor:
 
 def gather_rows(t: Tensor, M: int, group) -> Tensor:
     """Every rank's rows t [M_r, ...] of the row split, in row order: [M, ...] (any dtype)."""
-    import torch.distributed as dist
-
     world, _ = _world_rank(group)
     S = -(-M // world)
     shape = tuple(t.shape[1:])
@@ -114,7 +121,7 @@ def gather_rows(t: Tensor, M: int, group) -> Tensor:
     send = torch.zeros(S, raw.shape[1], dtype=torch.uint8, device=t.device)
     send[:t.shape[0]] = raw
     out = torch.empty(world * S, raw.shape[1], dtype=torch.uint8, device=t.device)
-    dist.all_gather_into_tensor(out, send, group=group)
+    gather_into_tensor(out, send, group=group)
     return out[:M].view(t.dtype).reshape((M,) + shape)
 
 
@@ -130,7 +137,7 @@ def gather_in_place(full: Tensor, M: int, group) -> Tensor:
     mine = raw[rank * S:(rank + 1) * S]
     if dist.get_backend(group) != "nccl":
         mine = mine.clone()  # gloo: no input inside the output
-    dist.all_gather_into_tensor(raw, mine, group=group)
+    gather_into_tensor(raw, mine, group=group)
     return full[:M]
 
 

@@ -207,6 +207,68 @@ def _check_given(name: str, t, x: Tensor, shape, dtype) -> None:
         check_rows(name, t, x, shape, dtype)
 
 
+def _byte_span(t: Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes t's elements occupy (empty for no elements)."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return start, start
+    reach = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return start, start + reach * t.element_size()
+
+
+def _rows_collide(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors of one storage share a byte. Rows of one byte stride that sit side by
+    side (the column halves of one [M, 2H] buffer) do not; any other meeting of spans counts."""
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    if a0 == a1 or b0 == b1 or a1 <= b0 or b1 <= a0:
+        return False
+    if a.dim() != 2 or b.dim() != 2 or a.stride(1) != 1 or b.stride(1) != 1:
+        return True
+    stride = a.stride(0) * a.element_size()
+    ka, kb = a.shape[1] * a.element_size(), b.shape[1] * b.element_size()
+    if stride != b.stride(0) * b.element_size() or ka + kb > stride:
+        return True
+    d = (b0 - a0) % stride  # b's row start within a's row pitch
+    return d < ka or d + kb > stride
+
+
+def _over_own_rows(out: Tensor, t: Tensor) -> bool:
+    """Whether out's row i lies inside t's row i from its start (y_out=x, residual_out=residual,
+    an FP8 q written over x's rows): the in-place form, which the kernels run one CTA per row
+    (ops._writes_where_it_reads), so each row is read before it is written."""
+    if out.dim() != 2 or t.dim() != 2 or out.data_ptr() != t.data_ptr():
+        return False
+    if out.shape[0] != t.shape[0] or out.stride(1) != 1 or t.stride(1) != 1:
+        return False
+    pitch = out.stride(0) * out.element_size()
+    return ((out.shape[0] <= 1 or pitch == t.stride(0) * t.element_size())
+            and out.shape[1] * out.element_size() <= t.shape[1] * t.element_size())
+
+
+def check_outputs_apart(inputs: dict, outputs: dict) -> None:
+    """ValueError naming both unless every given output is apart from the inputs and the other
+    outputs, or lies over an input's own rows from their start (_over_own_rows: vLLM's in-place
+    form residual_out=residual, y_out=x). Any other overlap is a race between rows on the GPU. Checked on the Python-checked paths (the CPU,
+    DISTNORM_CHECK=1); the eager CUDA path leaves it out for host time (~1 us a call)."""
+    if torch.compiler.is_compiling():
+        return  # fake tensors: no addresses
+    given = [(n, t) for n, t in outputs.items() if t is not None]
+    if not given:
+        return
+    sources = [(n, t, True) for n, t in inputs.items() if t is not None]
+    for i, (name, out) in enumerate(given):
+        storage = out.untyped_storage().data_ptr()
+        for other, t, is_input in sources + [(n, t, False) for n, t in given[:i]]:
+            if t.untyped_storage().data_ptr() != storage:
+                continue
+            if is_input and _over_own_rows(out, t):
+                continue
+            if _rows_collide(out, t):
+                raise ValueError(f"{name} overlaps {other}: an output must be apart from the inputs "
+                                 f"and the other outputs, or be an input's own rows written in "
+                                 f"place (residual_out=residual, y_out=x)")
+
+
 def allocate_outputs(x: Tensor, spec: Optional[QuantSpec], has_residual: bool, want_y: bool,
                      residual_out, y_out, q_out, scales_out, check_given: bool = True,
                      scale_rows: int = -1):

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows_aligned, checked_mode,
                    copy_outputs, format_scalar, kernel_scalars, q_alignment, returned_scales,
-                   check_scales_aligned, check_flags)
+                   check_scales_aligned, check_flags, check_outputs_apart)
 from .kernels.tiling import cluster_sizes
 from .formats import NormQuantOutput, QuantSpec, kernel_spec, make_quant_spec, spec_code
 from .rows import call_on_rows
@@ -331,6 +331,8 @@ def add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
                            scale_major=scale_major, scale_ue8m0=scale_ue8m0)
     want_y = _writes_y(norm_out, quant, y_out)
     check_op_inputs(x, residual, weight, spec, scale, global_scale, eps)
+    check_outputs_apart({"x": x, "residual": residual}, {
+        "residual_out": residual_out, "y_out": y_out, "q_out": q_out, "scales_out": scales_out})
     residual_out, y_out, q_out, scales_out = allocate_outputs(
         x, spec, residual is not None, want_y, residual_out, y_out, q_out, scales_out)
     if torch.compiler.is_compiling():

@@ -241,3 +241,54 @@ def test_eager_cuda_calls_skip_the_python_checks(monkeypatch, name, quant, opts)
             a, b = getattr(out, field), getattr(want, field)
             assert (a is None) == (b is None), field
             assert b is None or torch.equal(_bytes(a), _bytes(b)), field
+
+
+def _buffer_views(device):
+    """x [4, 512] and residual [4, 512] as the left halves of rows 0-3 and 4-7 of one [9, 1024]
+    buffer (fresh random bf16): outputs carved from the same buffer test the overlap rule."""
+    g = torch.Generator().manual_seed(11)
+    buf = torch.randn(9, 1024, generator=g).to(torch.bfloat16).to(device)
+    return buf, buf[:4, :512], buf[4:8, :512]
+
+
+OVERLAPS = {  # output keywords carved from the buffer -> the output and input the error names
+    "residual_out a row down": (lambda b: dict(residual_out=b[5:9, :512]), "residual_out overlaps residual"),
+    "y_out 8 columns right": (lambda b: dict(y_out=b[:4, 8:520], norm_out=True), "y_out overlaps x"),
+    "y_out over residual_out": (lambda b: dict(residual_out=b[4:8, 512:], y_out=b[4:8, 512:],
+                                               norm_out=True), "y_out overlaps residual_out"),
+    "q_out over x at another pitch": (lambda b: dict(
+        quant="fp8_per_token", q_out=b.view(-1).view(torch.uint8)[:2048].view(4, 512).view(
+            torch.float8_e4m3fn)), "q_out overlaps x"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(OVERLAPS))
+def test_partially_overlapping_outputs_are_refused(device, case, value_checks):
+    """An output sharing bytes with an input or another output, other than an input's own rows
+    written in place, is a race between rows on the GPU: the checked path refuses it, naming both
+    (the CPU, and CUDA with value checks on; the eager CUDA path leaves it out for host time)."""
+    buf, x, res = _buffer_views(device)
+    kwargs, message = OVERLAPS[case]
+    before = buf.clone()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        distnorm.add_rmsnorm(x, res, torch.ones_like(x[0]), **kwargs(buf))
+    assert torch.equal(buf, before)  # refused before anything was written
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_outputs_beside_or_over_their_own_rows(device):
+    """Outputs in the same buffer as the inputs but apart from them (the right column halves), or
+    over an input's own rows (vLLM's in-place form, an FP8 q over x's rows) are taken, with the
+    outputs of the same call out of place (on a GPU: the eager kernel path, in-place kernel)."""
+    w = (torch.rand(512, generator=torch.Generator().manual_seed(3)) + 0.5).to(torch.bfloat16).to(device)
+    _, x0, r0 = _buffer_views(device)
+    want = distnorm.add_rmsnorm(x0.clone(), r0.clone(), w, quant="fp8_per_token", norm_out=True)
+    for carve in (lambda b: dict(residual_out=b[4:8, 512:], y_out=b[:4, 512:]),
+                  lambda b: dict(residual_out=b[4:8, :512], y_out=b[:4, :512]),
+                  lambda b: dict(q_out=b.view(torch.uint8)[:4, :512].view(torch.float8_e4m3fn))):
+        buf, x, res = _buffer_views(device)
+        got = distnorm.add_rmsnorm(x, res, w, quant="fp8_per_token", norm_out=True, **carve(buf))
+        for field in ("residual", "y", "q", "scales"):
+            assert torch.equal(getattr(got, field).view(torch.uint8),
+                               getattr(want, field).contiguous().view(torch.uint8)), field

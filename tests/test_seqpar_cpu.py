@@ -92,6 +92,12 @@ def _body() -> None:
                                             w, workspace=ws)
     with pytest.raises(TypeError, match="gather must be a bool"):  # "False" would gather
         distnorm.reduce_scatter_add_rmsnorm(bad, None, w, workspace=ws, gather="False")
+    # the all-reduce ops' checked path refuses outputs overlapping x by a row (a race on GPUs)
+    rows = torch.randn(9, H, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="y_out overlaps x"):
+        distnorm.allreduce_add_rmsnorm(rows[:8], None, w, workspace=ws, y_out=rows[1:])
+    with pytest.raises(ValueError, match="out overlaps x"):
+        distnorm.allreduce(rows[:8], workspace=ws, out=rows[1:])
     # the gathers and the row split: counts and shards named, never an operator's TypeError
     with pytest.raises(TypeError, match="rows must be an int"):
         distnorm.all_gather(bad[:4], workspace=ws, rows="8")

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from distnorm.args import (allocate_outputs, check_op_inputs, check_rows, check_values,
-                           check_flags, checked_mode, returned_scales)
+                           check_flags, check_outputs_apart, checked_mode,
+                           returned_scales)
 from distnorm.collectives import dispatch
 from distnorm.collectives.faults import raise_if_failed
 from distnorm.collectives.plan import ALGOS
@@ -128,6 +129,8 @@ def allreduce_add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor,
                     residual_out, y_out, q_out, returned_scales(spec, scale, scales_out), ar_out))
     check_op_inputs(x, residual, weight, spec, scale, global_scale, eps)
     _check_call(workspace, x, algo)
+    check_outputs_apart({"x": x, "residual": residual}, {
+        "residual_out": residual_out, "y_out": y_out, "q_out": q_out, "scales_out": scales_out})
     residual_out, y_out, q_out, scales_out = allocate_outputs(
         x, spec, residual is not None, want_y, residual_out, y_out, q_out, scales_out)
     if allreduce_out and ar_out is None:
@@ -168,6 +171,7 @@ def allreduce(x: Tensor, *, workspace: Workspace, algo: str = "auto",
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     else:
         check_rows("out", out, x, x.shape)
+        check_outputs_apart({"x": x}, {"out": out})
     # the kernel takes a weight even when nothing but the all-reduce output is written
     w = state_of(workspace).ones(x)
     if torch.compiler.is_compiling():

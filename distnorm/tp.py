@@ -17,16 +17,18 @@ returns the module's scale tensor [1].
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from distnorm.args import check_flags
+from distnorm.args import check_count, check_eps, check_flags
 from distnorm.collectives.ops import allreduce_add_rmsnorm
+from distnorm.collectives.plan import ALGOS
 from distnorm.collectives.seqpar import reduce_scatter_add_rmsnorm
 from distnorm.comm.workspace import Workspace
-from distnorm.formats import E4M3_MAX, NormQuantOutput, make_quant_spec
+from distnorm.formats import E4M3_MAX, NormQuantOutput, check_hidden, make_quant_spec
 
 __all__ = ["AllReduceAddRMSNorm", "ReduceScatterAddRMSNorm", "RowParallelLinear", "fp8_linear",
            "quantize_weight_fp8"]
@@ -44,11 +46,14 @@ class _GroupNorm(nn.Module):
         super().__init__()
         if quant not in _TP_QUANTS:
             raise ValueError(f"quant must be one of {_TP_QUANTS}, got {quant!r}")
-        make_quant_spec(quant)
+        check_count("hidden", hidden, 1)
+        check_hidden(make_quant_spec(quant), hidden)
+        check_eps(eps)
         if (quant == "fp8") != (scale is not None):
             raise ValueError("scale (a float > 0) is required for quant='fp8' and only for it")
-        if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
-            raise ValueError(f"scale must be a float > 0, got {scale!r}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not 0 < scale < math.inf):
+            raise ValueError(f"scale must be a finite float > 0, got {scale!r}")
         if not isinstance(workspace, Workspace):
             raise TypeError(f"workspace must be a distnorm.Workspace, got {type(workspace).__name__}")
         check_flags(norm_out=norm_out, gemma=gemma)
@@ -75,6 +80,8 @@ class AllReduceAddRMSNorm(_GroupNorm):
                  quant: Optional[str] = None, scale: Optional[float] = None,
                  norm_out: bool = False, algo: str = "auto", dtype: torch.dtype = torch.bfloat16,
                  device=None, gemma: bool = False) -> None:
+        if algo not in ALGOS:  # here, not at the first forward
+            raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
         super().__init__(hidden, workspace, eps, quant, scale, norm_out, dtype, device, gemma)
         self.algo = algo
 

@@ -179,10 +179,21 @@ def test_module_argument_errors(module):
         norm(256, ws, quant="nvfp4")
     with pytest.raises(ValueError, match="scale .* is required for quant='fp8'"):
         norm(256, ws, quant="fp8")
-    with pytest.raises(ValueError, match="scale must be a float > 0"):
+    with pytest.raises(ValueError, match="scale must be a finite float > 0"):
         norm(256, ws, quant="fp8", scale=-1.0)
     with pytest.raises(TypeError, match="distnorm.Workspace"):
         norm(256, "ws")
+    with pytest.raises(ValueError, match="hidden size H=100"):
+        norm(100, ws)
+    with pytest.raises(TypeError, match="hidden must be an int"):
+        norm("4096", ws)
+    with pytest.raises(ValueError, match="eps must be a finite float"):
+        norm(256, ws, eps=-1e-6)
+    with pytest.raises(ValueError, match="scale must be a finite float > 0"):
+        norm(256, ws, quant="fp8", scale=True)
+    if module == "AllReduceAddRMSNorm":
+        with pytest.raises(ValueError, match="algo must be one of"):
+            norm(256, ws, algo="ring")
     # a string flag is truthy: the module would run gemma's (1 + w) or return y unasked
     with pytest.raises(TypeError, match="gemma must be a bool"):
         norm(256, ws, gemma="False")

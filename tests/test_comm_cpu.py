@@ -399,9 +399,10 @@ def test_workspace_refuses_ranks_with_different_settings(env):
     ({"timeout_s": 0.0}, ValueError, "timeout_s must be finite and > 0"),
     ({"timeout_s": float("inf")}, ValueError, "timeout_s must be finite and > 0"),  # no deadline
     ({"timeout_s": float("nan")}, ValueError, "timeout_s must be finite and > 0"),
+    ({"device": "tpu"}, ValueError, "device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
 ])
 def test_workspace_argument_errors(kwargs, error, message):
     """Each bad Workspace argument is refused before any rank talks to another (so every rank
     raises alike), with the library's message naming it."""
     with pytest.raises(error, match=re.escape(message)):
-        Workspace(None, device="cpu", **kwargs)
+        Workspace(None, **{"device": "cpu", **kwargs})

@@ -85,11 +85,22 @@ def _boot_id() -> str:
         return ""
 
 
+def _parsed_device(device: str) -> Any:
+    """torch.device(device), a ValueError naming `device` for a string torch does not parse."""
+    import torch
+
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
+
+
 def _is_cpu(device: Any) -> bool:
     import torch
 
-    return isinstance(device, (str, torch.device)) and not isinstance(device, bool) and \
-        torch.device(device).type == "cpu"
+    if isinstance(device, str):
+        device = _parsed_device(device)
+    return isinstance(device, torch.device) and device.type == "cpu"
 
 
 def _resolve_device(device: Any) -> int:
@@ -102,7 +113,7 @@ def _resolve_device(device: Any) -> int:
     if isinstance(device, int):
         index = device
     elif isinstance(device, (str, torch.device)):
-        dev = torch.device(device)
+        dev = _parsed_device(device) if isinstance(device, str) else device
         if dev.type != "cuda":
             raise ValueError(f"device must be a CUDA device, got {dev}")
         index = dev.index if dev.index is not None else torch.cuda.current_device()

@@ -211,6 +211,7 @@ def test_multi_gpu_tests_list_the_kernels_they_launch(monkeypatch, tmp_path):
     shapes = importlib.import_module("test_allreduce_shapes_gpu")
     faults = importlib.import_module("test_faults_gpu")
     want = {(shapes, "test_fp16_activations"): 12, (shapes, "test_model_hidden_sizes"): 12,
+            (shapes, "test_in_place_outputs"): 3,  # one kernel an algorithm, all three M
             # 10: lamport's NVFP4 call at 128 rows plans one-shot's kernel (listed already)
             (faults, "test_mismatched_calls_then_recovery"): 10,
             (faults, "test_rank_that_leaves"): 3, (faults, "test_something_else"): 0}

@@ -10,8 +10,8 @@ import sys
 import torch
 
 from allreduce_cases import (ALGOS, BUFFER_BYTES, FULL, TIMEOUT_S, checked_on_every_rank,
-                             group_bootstrap, one_case_keys)
-from harness import MULTIGPU_MARKS
+                             group_bootstrap, launched_key, make_inputs, one_case_keys, quant_spec)
+from harness import MULTIGPU_MARKS, gathered_check
 from distnorm.launch import run_distributed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # quant_check
@@ -65,6 +65,37 @@ def _body_model_sizes() -> None:
         ws.barrier()
 
 
+IN_PLACE_ROWS = (1, 300, 3000)  # lamport's one launch, two-shot's sized forms, lamport in chunks
+
+
+def _body_in_place() -> None:
+    """vLLM's in-place form through every algorithm: residual_out=residual and y_out=x (the normed
+    rows written over this rank's partial sums) give the bytes of the same call with outputs of
+    their own; a CTA writing rows over x that another has yet to push to the peers shows here."""
+    from distnorm.collectives import allreduce_add_rmsnorm
+    from distnorm.comm import Workspace
+    boot = group_bootstrap()
+    kw = dict(quant="fp8_per_token", norm_out=True)
+    with Workspace(buffer_bytes=BUFFER_BYTES) as ws:
+        def check():
+            for algo in ALGOS:
+                for M in IN_PLACE_ROWS:
+                    x, res, w = make_inputs(M, 4096, ws.rank, 4100 + M, world=ws.world_size)
+                    want = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws, algo=algo, **kw)
+                    xi, ri = x.clone(), res.clone()
+                    got = allreduce_add_rmsnorm(xi, ri, w, 1e-6, workspace=ws, algo=algo,
+                                                residual_out=ri, y_out=xi, **kw)
+                    torch.cuda.synchronize()
+                    assert got.residual.data_ptr() == ri.data_ptr()
+                    assert got.y.data_ptr() == xi.data_ptr()
+                    for name in ("residual", "y", "q", "scales"):
+                        a, b = getattr(got, name), getattr(want, name)
+                        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), \
+                            f"{algo} M={M} {name}: in place differs from outputs of its own"
+        gathered_check(boot, check)
+        ws.barrier()
+
+
 def kernel_keys(test: str, params: dict) -> list[tuple]:
     """The kernels of both tests (distnorm.kernels.precompile keys): tests/conftest.py compiles
     them ahead, spread over the ranks, instead of one at a time inside the tests (about 40 s of
@@ -77,6 +108,10 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
         cases = [(algo, qname, 4096, torch.float16) for algo in ALGOS for qname in FP16_QUANTS]
     elif test == "test_model_hidden_sizes":
         cases = [(algo, qname, H, torch.bfloat16) for algo, qname, H in _model_cases()]
+    elif test == "test_in_place_outputs":
+        spec = quant_spec("fp8_per_token")
+        return list(dict.fromkeys(launched_key(world, algo, M, 4096, spec, True, True, False)
+                                  for algo in ALGOS for M in IN_PLACE_ROWS))
     else:
         return []
     return list(dict.fromkeys(key for algo, qname, H, dtype in cases for M in ROWS
@@ -89,3 +124,7 @@ def test_fp16_activations():
 
 def test_model_hidden_sizes():
     run_distributed(_body_model_sizes, timeout_s=TIMEOUT_S)
+
+
+def test_in_place_outputs():
+    run_distributed(_body_in_place, timeout_s=TIMEOUT_S)

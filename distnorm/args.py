@@ -12,6 +12,7 @@ and > 0 and x, residual and weight finite, or the call raises ValueError.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Optional
 
@@ -75,8 +76,9 @@ def check_flags(**flags) -> None:
 
 
 def check_count(name: str, value, minimum: int = 0) -> None:
-    """A row count or size: an int (not a bool) >= minimum, else TypeError / ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """A row count or size: an integer (not a bool; numpy's and torch.compile's symbolic ints
+    count) >= minimum, else TypeError / ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
@@ -248,8 +250,9 @@ def _over_own_rows(out: Tensor, t: Tensor) -> bool:
 def check_outputs_apart(inputs: dict, outputs: dict) -> None:
     """ValueError naming both unless every given output is apart from the inputs and the other
     outputs, or lies over an input's own rows from their start (_over_own_rows: vLLM's in-place
-    form residual_out=residual, y_out=x). Any other overlap is a race between rows on the GPU. Checked on the Python-checked paths (the CPU,
-    DISTNORM_CHECK=1); the eager CUDA path leaves it out for host time (~1 us a call)."""
+    form residual_out=residual, y_out=x). Any other overlap is a race between rows on the GPU.
+    Checked on the Python-checked paths (the CPU, DISTNORM_CHECK=1); the eager CUDA path leaves it
+    out for host time (~1 us a call)."""
     if torch.compiler.is_compiling():
         return  # fake tensors: no addresses
     given = [(n, t) for n, t in outputs.items() if t is not None]

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from distnorm.args import check_count, check_eps, check_flags
 from distnorm.collectives.ops import allreduce_add_rmsnorm
-from distnorm.collectives.plan import ALGOS
+from distnorm.collectives.plan import check_algo
 from distnorm.collectives.seqpar import reduce_scatter_add_rmsnorm
 from distnorm.comm.workspace import Workspace
 from distnorm.formats import E4M3_MAX, NormQuantOutput, check_hidden, make_quant_spec
@@ -80,8 +80,7 @@ class AllReduceAddRMSNorm(_GroupNorm):
                  quant: Optional[str] = None, scale: Optional[float] = None,
                  norm_out: bool = False, algo: str = "auto", dtype: torch.dtype = torch.bfloat16,
                  device=None, gemma: bool = False) -> None:
-        if algo not in ALGOS:  # here, not at the first forward
-            raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+        check_algo(algo)  # here, not at the first forward
         super().__init__(hidden, workspace, eps, quant, scale, norm_out, dtype, device, gemma)
         self.algo = algo
 

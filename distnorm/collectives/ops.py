@@ -21,7 +21,7 @@ from distnorm.args import (allocate_outputs, check_op_inputs, check_rows, check_
                            returned_scales)
 from distnorm.collectives import dispatch
 from distnorm.collectives.faults import raise_if_failed
-from distnorm.collectives.plan import ALGOS
+from distnorm.collectives.plan import check_algo
 from distnorm.collectives.state import state_of
 from distnorm.comm.workspace import Workspace
 from distnorm.formats import (MAX_HIDDEN, MIN_HIDDEN, VEC, NormQuantOutput, QuantSpec,
@@ -69,8 +69,7 @@ def _eager_cuda(x: Tensor, ws) -> bool:
 
 
 def _check_call(ws, x: Tensor, algo: str) -> None:
-    if algo not in ALGOS:
-        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    check_algo(algo)
     if not isinstance(ws, Workspace):
         raise TypeError(f"workspace must be a distnorm.Workspace, got {type(ws).__name__}")
     if ws.closed:

@@ -479,13 +479,18 @@ def lamport_capacity(world: int, hidden: int, elem_size: int, buffer_bytes: int)
     return _slot_rows(world, hidden * elem_size, lamport_split(buffer_bytes)[1], False, False)
 
 
+def check_algo(algo) -> None:
+    """ValueError naming `algo` unless it is one the all-reduce ops take (ALGOS)."""
+    if algo not in ALGOS:
+        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+
+
 def choose_algo(algo: str, world: int, m: int, hidden: int, elem_size: int,
                 buffer_bytes: Optional[int] = None, plain: bool = False) -> str:
     """The algorithm for `algo` ("auto" picks by bytes per rank; lamport only when, given the
     workspace's buffer_bytes, one lamport launch holds all M rows). plain: a plain all-reduce (no
     residual, norm or quantization output)."""
-    if algo not in ALGOS:
-        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    check_algo(algo)
     if algo != "auto":
         return algo
     if world <= 1:

@@ -276,9 +276,9 @@ def allocate_outputs(x: Tensor, spec: Optional[QuantSpec], has_residual: bool, w
                      residual_out, y_out, q_out, scales_out, check_given: bool = True,
                      scale_rows: int = -1):
     """Allocate the outputs the caller did not pass; check the ones they did (check_given=False:
-    left to the compiled kernel's entry, ops._launch_kernel_checked; a scales output's exact strides,
-    which the entry cannot check, are checked either way). Allocated with empty_like, the cheapest
-    allocation call (host time: torch.empty costs about twice as much). scale_rows: the rows of
+    left to the compiled kernel's entry, ops._launch_kernel_checked; a scales output's exact
+    strides and alignment, which the entry cannot check, are checked either way). Allocated with
+    empty_like, the cheapest allocation call (host time: torch.empty costs about twice as much). scale_rows: the rows of
     the scales output's layout when not x's (the sequence-parallel kernel that writes the gathered
     scales of all M rows)."""
     M, H = x.shape
@@ -304,11 +304,14 @@ def allocate_outputs(x: Tensor, spec: Optional[QuantSpec], has_residual: bool, w
         if geo is not None:
             if scales_out is None:
                 scales_out = empty_scales(spec, S, H, x.device)
-            elif (scales_out.shape, scales_out.stride(), scales_out.dtype) != geo or \
-                    scales_out.device != x.device:
-                raise ValueError(f"scales_out must have shape {geo[0]}, strides {geo[1]}, dtype {geo[2]} "
-                                 f"on {x.device}; got {tuple(scales_out.shape)}, {scales_out.stride()}, "
-                                 f"{scales_out.dtype} on {scales_out.device}")
+            else:
+                if (scales_out.shape, scales_out.stride(), scales_out.dtype) != geo or \
+                        scales_out.device != x.device:
+                    raise ValueError(f"scales_out must have shape {geo[0]}, strides {geo[1]}, dtype {geo[2]} "
+                                     f"on {x.device}; got {tuple(scales_out.shape)}, {scales_out.stride()}, "
+                                     f"{scales_out.dtype} on {scales_out.device}")
+                if not torch.compiler.is_compiling():  # fake tensors have no address
+                    check_scales_aligned(scales_out, spec)
     return residual_out, y_out, q_out, scales_out
 
 

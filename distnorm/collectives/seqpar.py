@@ -423,7 +423,7 @@ def all_gather(t: Tensor, *, workspace: Workspace, rows: int) -> Tensor:
     start, stop = slice_bounds(rows, world, rank)
     if t.dim() < 1 or t.shape[0] != stop - start:
         raise ValueError(f"t must be this rank's shard of {rows} rows: {stop - start} rows, got "
-                         f"{tuple(getattr(t, 'shape', ()))}")
+                         f"{tuple(t.shape)}")
     return _gather(workspace, {"t": t}, {}, rows)["t"]
 
 

@@ -223,7 +223,6 @@ class RolesPushes:
                     row_in_cta: Int32, lane: Int32, rT, dtype: cutlass.Constexpr):
         """Pusher p: chunks p, p + P, ... in order; per chunk its groups' parts (group, peer), then
         the chunk's flags in every peer's pad (NOTE [reduce-scatter roles by TMA])."""
-        m = mX.shape[0]
         x_bulk = Int64(mX.stride[0]) == Int64(self.t.hidden)
         if x_bulk:
             if tidx == Int32(0):

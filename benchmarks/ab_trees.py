@@ -93,6 +93,21 @@ def _points(rows: list[dict]):
                 yield k, r["M"], r["H"], v
 
 
+def run_environment(first_run_json: str) -> dict:
+    """Where the A/B ran: device, torch and date from its first run's meta (when the benchmark
+    records them), and the CuTe DSL of this process (the trees share the environment)."""
+    from importlib import metadata
+
+    with open(first_run_json) as f:
+        run_meta = json.load(f).get("meta", {})
+    env = {k: run_meta[k] for k in ("device", "torch", "date") if k in run_meta}
+    try:
+        env["cute_dsl"] = metadata.version("nvidia-cutlass-dsl")
+    except metadata.PackageNotFoundError:
+        env["cute_dsl"] = "not installed"
+    return env
+
+
 def table(rows: list[dict], trees: list[str]) -> str:
     """Markdown: us per round for each tree, then each later tree's change of the mean."""
     base = trees[0]
@@ -146,12 +161,14 @@ def main() -> None:
                                            args.bench, args.nproc))
     rows = merge_rounds(results)
     meta = dict(trees={n: p_ for n, p_ in args.tree}, rounds=args.rounds,
-                command="python benchmarks/ab_trees.py " + " ".join(sys.argv[1:]))
+                command="python benchmarks/ab_trees.py " + " ".join(sys.argv[1:]),
+                environment=run_environment(results[names[0]][0]))
     with open(args.out + ".json", "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     text = table(rows, names)
     with open(args.out + ".md", "w") as f:
-        f.write(f"# A/B of {', '.join(names)}\n\n`{meta['command']}`\n\n{text}\n")
+        where = ", ".join(f"{k} {v}" for k, v in meta["environment"].items())
+        f.write(f"# A/B of {', '.join(names)}\n\n`{meta['command']}`\n\nRan on: {where}\n\n{text}\n")
     print(text)
 
 

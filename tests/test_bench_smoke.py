@@ -98,7 +98,7 @@ a = sys.argv
 out = a[a.index("--out") + 1]
 us = float(open(os.path.join(os.getcwd(), "US")).read())  # the tree's own number: run from its checkout
 row = dict(variant="nvfp4", M=1, H=4096, us=us, args=a[1:], cache=os.environ["DISTNORM_KERNEL_CACHE"])
-json.dump(dict(meta={}, rows=[row]), open(out + ".json", "w"))
+json.dump(dict(meta=dict(device="FakeGPU", date="2026-12-02"), rows=[row]), open(out + ".json", "w"))
 '''
 
 
@@ -121,6 +121,7 @@ def test_ab_trees_alternates_the_trees_and_merges_their_rounds(tmp_path):
     rows = json.loads((tmp_path / "ab.json").read_text())["rows"]
     assert rows == [dict(variant="nvfp4", M=1, H=4096, base_us=[2.0, 2.0], new_us=[1.5, 1.5])]
     assert "| nvfp4 | 1 | 4096 | 2.00 / 2.00 | 1.50 / 1.50 | -25.0% |" in (tmp_path / "ab.md").read_text()
+    assert "Ran on: device FakeGPU, date 2026-12-02, cute_dsl " in (tmp_path / "ab.md").read_text()
     runs = {t: json.loads((tmp_path / "ab_runs" / f"{t}_r2.json").read_text())["rows"][0]
             for t in ("base", "new")}
     assert runs["new"]["args"][:3] == ["--no-compile", "--Ms", "1"] and "--note" in runs["new"]["args"]

@@ -45,3 +45,37 @@ for q in variants:
 def test_single_gpu_kernels_compile(arch):
     assert compile_in_subprocess(BODY, arch) == 72
 
+
+
+# NOTE [scalars after the row loads] (kernels/norm_quant.py): in the PTX of the single-GPU kernel
+# the scalar loads (ld.global.b32: the static scale, NVFP4's global scale) follow the row's vector
+# loads (x, residual) and precede its first vector store (residual_out), and no rcp.rn of the scale
+# precedes the row loads
+ORDER_BODY = """
+import os, re, tempfile
+os.environ["DISTNORM_KEEP_PTX"] = "1"  # the PTX text (--keep-ptx also leaves files in the cwd)
+os.chdir(tempfile.mkdtemp())
+from distnorm.kernels.compile import compiled_fused_norm
+from distnorm.formats import make_quant_spec as Q
+for kind, H, split, slots in (("fp8", 8192, 2, 1), ("fp8", 4096, 4, 1), ("fp8", 4096, 1, 1),
+                              ("nvfp4", 4096, 4, 1), ("nvfp4", 8192, 1, 1), ("fp8", 4096, 1, 2)):
+    ptx = compiled_fused_norm("bfloat16", H, Q(kind), True, False, True, 1, True, split,
+                              slots).__ptx__
+    lines = ptx.splitlines()
+    vec_loads = [i for i, s in enumerate(lines) if "ld.global.v4" in s]
+    scalar_loads = [i for i, s in enumerate(lines) if re.search(r"ld\\.global(\\.nc)?\\.b32", s)]
+    vec_stores = [i for i, s in enumerate(lines) if "st.global.v4" in s]
+    rcps = [i for i, s in enumerate(lines) if s.strip().startswith("rcp.rn.f32")]
+    assert len(scalar_loads) == 1, (kind, H, split, slots, scalar_loads)
+    rows_issued = [i for i in vec_loads if i < vec_stores[0]]
+    assert len(rows_issued) >= 2, (kind, H, split, slots)
+    assert rows_issued[-1] < scalar_loads[0] < vec_stores[0], (kind, H, split, slots)
+    assert not [i for i in rcps if i < rows_issued[-1]], (kind, H, split, slots)
+    done.append((kind, H, split, slots))
+"""
+
+
+def test_single_gpu_scalars_follow_the_row_loads():
+    """NOTE [scalars after the row loads]: on main before it, the scale's rcp.rn and both scalar
+    loads stood before the row loads."""
+    assert compile_in_subprocess(ORDER_BODY) == 6

@@ -293,9 +293,9 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
         rT = self.core.zeros(dtype)
         rR = self.core.zeros(dtype)
         rH = self.core.zeros(Float32)
-        static_inv, global_scale = self.core.load_scalars(mScale, mGS)
+        static_scale, global_scale = self.core.load_scalars(mScale, mGS)
         rW = self.core.load_weight(mW, lane)
-        return bufs, rT, rR, rH, static_inv, global_scale, rW
+        return bufs, rT, rR, rH, static_scale, global_scale, rW
 
     @cute.jit
     def _barrier(self, mSig, rank: Int32, bidx: Int32, timeout: Int64, mErr, sig: Int32) -> Int32:
@@ -377,7 +377,7 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
         hidden = Int64(t.hidden)
         slot_elems = Int64(m) * hidden  # one slot: this call's M rows
 
-        bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
+        bufs, rT, rR, rH, static_scale, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
                                                                          lane)
         may_push = self._may_push(own_pad)
         sig = self._describe_launch(own_pad, m)
@@ -409,7 +409,7 @@ class AllReduceAddRMSNormQuant(LamportOneShot, TwoShot, ReduceScatter):
             self._reduce_row(rH, rR, rT, mX, mR, mRout, mAR, base, slot_elems, row, row, row,
                              row_valid, rank, lane, dtype)
             self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW,
-                               mY, mQ, mS, static_inv, global_scale, bufs, rW)
+                               mY, mQ, mS, static_scale, global_scale, bufs, rW)
             cute.arch.barrier()  # the next group's reductions reuse the shared-memory partials
         # nobody may overwrite a slot (next call) that a peer still reads
         self._barrier(mSig, rank, bidx, timeout, mErr, sig)

@@ -145,30 +145,42 @@ class FusedAddRMSNormQuant:
                   row: Int32, lane: Int32, row_in_cta: Int32, bufs, part=None):
         m = self._row_count(mX)
         row_valid = row < m
-        # scalars first: their loads overlap the row loads instead of following the residual stores
-        static_inv, global_scale = self.core.load_scalars(mScale, mGS)
         rX = self.core.zeros(mX.element_type)
         rR = self.core.zeros(mX.element_type)
         rH = self.core.zeros(Float32)
+        # the scalars between the row's loads and its stores: NOTE [scalars after the row loads]
+        # in norm_quant.py (after a store, a load could not be moved above it: they may alias)
         if const_expr(self.slots > 1):
-            self._fold_row(mX, mR, mRout, row, row_valid, lane, part, rX, rR, rH)
+            self._fold_row(mX, mR, row, row_valid, lane, rX, rR, rH)
+            static_scale, global_scale = self.core.load_scalars(mScale, mGS)
+            if const_expr(self.has_residual):
+                if row_valid:
+                    self.core.store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane,
+                                        mX.element_type, part)
         else:
-            self._add_row(mX, mR, mRout, row, row_valid, lane, part, rX, rR, rH)
+            self._load_row(mX, mR, row, row_valid, lane, rX, rR)
+            static_scale, global_scale = self.core.load_scalars(mScale, mGS)
+            self._add_row(mRout, row, row_valid, lane, part, rX, rR, rH)
         if const_expr(self.t.cluster_n > 1):
             # the start-up barrier (peers' mbarriers armed) completes while the row loads are in
             # flight; it must precede the first DSMEM store (NOTE [cluster exchange])
             cute.arch.cluster_wait()
         self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW, mY, mQ, mS,
-                           static_inv, global_scale, bufs, None, part)
+                           static_scale, global_scale, bufs, None, part)
 
     @cute.jit
-    def _add_row(self, mX, mR, mRout, row: Int32, row_valid, lane: Int32, part, rX, rR, rH):
-        """rH <- float(h), h = T(float(x) + float(res)) (or x); h -> residual_out."""
-        # all loads first: residual_out may alias residual, so no store may precede a load
+    def _load_row(self, mX, mR, row: Int32, row_valid, lane: Int32, rX, rR):
+        """rX, rR <- the row of x and of the residual (every load before any store: residual_out
+        may alias residual)."""
         if row_valid:
             self.core.load_row(rX, cute.zipped_divide(mX[row, None], (VEC,)), lane)
             if const_expr(self.has_residual):
                 self.core.load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
+
+    @cute.jit
+    def _add_row(self, mRout, row: Int32, row_valid, lane: Int32, part, rX, rR, rH):
+        """rH <- float(h), h = T(float(x) + float(res)) (or x) from _load_row's fragments;
+        h -> residual_out."""
         if const_expr(self.has_residual):
             # h = T(float(x) + float(res)), one rounding (in place in rX); the norm reads float(h)
             self.core.add_packed(rX, rR)
@@ -177,17 +189,13 @@ class FusedAddRMSNormQuant:
         self.core.widen(rH, rX)
 
     @cute.jit
-    def _fold_row(self, mX, mR, mRout, row: Int32, row_valid, lane: Int32, part, rX, rR, rH):
-        """NOTE [slots]: rH <- float(h), h = T(x_0 + ... + x_{N-1} + float(res)); h -> residual_out.
-        rH stays zero on rows past M."""
-        dtype = mX.element_type
+    def _fold_row(self, mX, mR, row: Int32, row_valid, lane: Int32, rX, rR, rH):
+        """NOTE [slots]: rH <- float(h), h = T(x_0 + ... + x_{N-1} + float(res)) (the caller
+        stores it to residual_out). rH stays zero on rows past M."""
         if row_valid:
-            if const_expr(self.has_residual):  # before any store: residual_out may alias it
+            if const_expr(self.has_residual):
                 self.core.load_row(rR, cute.zipped_divide(mR[row, None], (VEC,)), lane)
             for s in cutlass.range_constexpr(self.slots):
                 self.core.load_row(rX, cute.zipped_divide(mX[s, row, None], (VEC,)), lane)
                 self.core.fold(rH, rX, s)
-            self.core.round_sum(rH, rR, self.has_residual, dtype)
-            if const_expr(self.has_residual):
-                self.core.store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype,
-                                    part)
+            self.core.round_sum(rH, rR, self.has_residual, mX.element_type)

@@ -241,7 +241,7 @@ class LamportOneShot:
         slot_bytes = Int64(m) * hidden * elem_bytes  # one slot: this call's M rows of T
         nv = t.vecs_per_thread
 
-        bufs, _, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
+        bufs, _, rR, rH, static_scale, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
                                                                          lane)
         # N slots' words; fragments of rows are read and written as words only (NOTE in
         # NormQuantCore.widen: a fragment read through two views was miscompiled)
@@ -410,7 +410,7 @@ class LamportOneShot:
                         rH[2 * i], rH[2 * i + 1] = lo, hi
                 self._finish_row(rH, rR, mAR, mRout, row, lane, dtype)
             self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW,
-                               mY, mQ, mS, static_inv, global_scale, bufs, rW)
+                               mY, mQ, mS, static_scale, global_scale, bufs, rW)
             cute.arch.barrier()  # the next group's reductions reuse the shared-memory partials
         self._finish_headers(checker, hdr_left, own_pad, rank, m, hdr_area, err_addr, dev_err_addr, k,
                              timeout)

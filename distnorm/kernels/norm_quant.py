@@ -115,16 +115,26 @@ class NormQuantCore(BlockScales, SplitParts):
         frag.fill(0.0)
         return frag
 
+    # NOTE [scalars after the row loads]
+    # The static scale travels as loaded and is inverted (rcp.rn, the same bits as before) where q
+    # is stored, and the single-GPU kernel loads both scalars after it has issued its row loads.
+    # Inverted at the load, the scale's MUFU.RCP waited for the load before the first row load
+    # issued (sm_90a SASS of every single-GPU split and of lamport before its pushes, CuTe DSL
+    # 4.3.5 and 4.8.1), and 4.8.1 moved NVFP4's global scale into a uniform register (R2UR, which
+    # waits for the load too) ahead of the row loads of the 4-part split: a scalar load's latency
+    # in front of the row's on the decode path. A load issued after the row loads waits for
+    # nothing; its value is needed only once the row has been reduced.
     @cute.jit
     def load_scalars(self, mScale, mGS):
-        """(1 / static scale, NVFP4 global scale) for the formats that take them, else zeros."""
-        static_inv = Float32(0.0)
+        """(static scale, NVFP4 global scale) as loaded, for the formats that take them, else
+        zeros (NOTE [scalars after the row loads])."""
+        static_scale = Float32(0.0)
         global_scale = Float32(0.0)
         if const_expr(self.q.info.scalar == "scale"):
-            static_inv = ptx.rcp_rn(mScale[0])
+            static_scale = mScale[0]
         if const_expr(self.q.info.scalar == "global_scale"):
             global_scale = mGS[0]
-        return static_inv, global_scale
+        return static_scale, global_scale
 
     # ---- row loads and stores ------------------------------------------------------------------
     @cute.jit
@@ -357,7 +367,7 @@ class NormQuantCore(BlockScales, SplitParts):
 
     @cute.jit
     def epilogue(self, rH, row: Int32, row_valid, scale_valid, lane: Int32, row_in_cta: Int32,
-                 eps: Float32, mW, mY, mQ, mS, static_inv: Float32, global_scale: Float32, bufs,
+                 eps: Float32, mW, mY, mQ, mS, static_scale: Float32, global_scale: Float32, bufs,
                  rW=None, part=None, scale_row=None):
         """rH: float32 register fragment [vecs_per_thread * 8] of h for row thread `lane`'s
         vectors (lane: the thread's index among the row's row_threads, cluster-wide).
@@ -365,6 +375,7 @@ class NormQuantCore(BlockScales, SplitParts):
         they are loaded here (a split part loads its own columns only: only then may `part` be
         given with rW None).
 
+        static_scale, global_scale: load_scalars's (the static scale as loaded).
         Writes T(y) to mY (when write_y), q to mQ (as int32 words) and scales to mS. Threads of padded
         rows (row_valid False, scale_valid True: swizzled-scale padding) compute on zeros and store
         only scales; threads past both store nothing.
@@ -408,7 +419,7 @@ class NormQuantCore(BlockScales, SplitParts):
                                None, cols)
         if const_expr(self.q.info.scales != "none"):
             self._quantize(rY, cols, row, row_valid, scale_valid, lane, row_in_cta, mQ, mS,
-                           static_inv, global_scale, bufs, part, row_amax, scale_row)
+                           static_scale, global_scale, bufs, part, row_amax, scale_row)
 
     @cute.jit
     def _row_amax(self, rY, cols: list, bufs, row_in_cta: Int32, lane: Int32) -> Float32:
@@ -425,7 +436,7 @@ class NormQuantCore(BlockScales, SplitParts):
 
     @cute.jit
     def _quantize(self, rY, cols: list, row: Int32, row_valid, scale_valid, lane: Int32,
-                  row_in_cta: Int32, mQ, mS, static_inv: Float32, global_scale: Float32, bufs,
+                  row_in_cta: Int32, mQ, mS, static_scale: Float32, global_scale: Float32, bufs,
                   part=None, row_amax=None, scale_row=None):
         """q and scales of the y vectors rY of columns `cols` (part_columns). row_amax: the
         per-token amax when the caller reduced it already (a split row: epilogue); scale_row:
@@ -441,7 +452,8 @@ class NormQuantCore(BlockScales, SplitParts):
         if const_expr(q.kind == "nvfp4"):
             rcp_gs = ptx.rcp_rn(global_scale)  # once per row, not per block
         if const_expr(q.info.scales == "static"):
-            self._store_q_columns(rY, cols, static_inv, tQ, lane, row_valid)
+            # NOTE [scalars after the row loads]
+            self._store_q_columns(rY, cols, ptx.rcp_rn(static_scale), tQ, lane, row_valid)
         elif const_expr(q.info.scales == "row"):
             amax = row_amax
             if const_expr(row_amax is None):

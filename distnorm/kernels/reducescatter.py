@@ -208,7 +208,7 @@ class ReduceScatter(BulkPushes, RolesPushes):
         smem = None  # NOTE [bulk-copy pushes]: the stages come from the epilogue's allocator
         if const_expr(self.bulk_groups > 0 or self.roles_pushers > 0):
             smem = SmemAllocator()
-        bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
+        bufs, rT, rR, rH, static_scale, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
                                                                          lane, smem)
         may_push = self._may_push(own_pad)
         sig = self._describe_launch(own_pad, m)
@@ -225,7 +225,7 @@ class ReduceScatter(BulkPushes, RolesPushes):
             self._roles_reducescatter(
                 mX, mBuf, mSig, mErr, rank, timeout, slice_rows, groups, sig, may_push, smem,
                 (local, rows, base, slot_elems, slice_rows, rank, row_in_cta, lane, eps, mX, mR,
-                 mRout, mAR, mW, mY, mQ, mS, rH, rR, rT, static_inv, global_scale, bufs, rW, dtype,
+                 mRout, mAR, mW, mY, mQ, mS, rH, rR, rT, static_scale, global_scale, bufs, rW, dtype,
                  mBuf, q_base, s_base), q_base, s_base, rT, dtype, row_in_cta, lane)
         else:
             if const_expr(self.rs_rounds == 1):
@@ -237,7 +237,7 @@ class ReduceScatter(BulkPushes, RolesPushes):
                 for g in range(bidx, self._unless_failed(failed, groups), nblk):
                     self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank,
                                       row_in_cta, lane, eps, mX, mR, mRout, mAR, mW, mY, mQ, mS,
-                                      rH, rR, rT, static_inv, global_scale, bufs, rW, dtype, mBuf,
+                                      rH, rR, rT, static_scale, global_scale, bufs, rW, dtype, mBuf,
                                       q_base, s_base)
             else:
                 # NOTE [reduce-scatter rounds]
@@ -276,7 +276,7 @@ class ReduceScatter(BulkPushes, RolesPushes):
                     for g in range(g0, self._unless_failed(failed, end), nblk):
                         self._shard_group(g, local, rows, base, slot_elems, slice_rows, rank,
                                           row_in_cta, lane, eps, mX, mR, mRout, mAR, mW, mY, mQ,
-                                          mS, rH, rR, rT, static_inv, global_scale, bufs, rW,
+                                          mS, rH, rR, rT, static_scale, global_scale, bufs, rW,
                                           dtype, mBuf, q_base, s_base)
                     if r + 1 < rounds:
                         if const_expr(self.bulk_groups > 0):
@@ -299,7 +299,7 @@ class ReduceScatter(BulkPushes, RolesPushes):
     @cute.jit
     def _shard_group(self, g: Int32, local: Int32, rows: Int32, base: Int64, slot_elems: Int64,
                      slice_rows: Int32, rank: Int32, row_in_cta: Int32, lane: Int32, eps: Float32,
-                     mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT, static_inv, global_scale, bufs,
+                     mX, mR, mRout, mAR, mW, mY, mQ, mS, rH, rR, rT, static_scale, global_scale, bufs,
                      rW, dtype: cutlass.Constexpr, mBuf, q_base: Int64, s_base: Int64):
         """Row group g of my shard: the ordered sum of its slots, the residual add, the epilogue
         into the shard-local outputs (rows < local are real; rows < `rows` have scales); with
@@ -316,7 +316,7 @@ class ReduceScatter(BulkPushes, RolesPushes):
             scale_valid = row_valid
             scale_row = rank * slice_rows + i
         self.core.epilogue(rH, i, row_valid, scale_valid, lane, row_in_cta, eps, mW, mY, mQ, mS,
-                           static_inv, global_scale, bufs, rW, None, scale_row)
+                           static_scale, global_scale, bufs, rW, None, scale_row)
         cute.arch.barrier()  # shared-memory partials are reused by the next row; q rows visible
         if const_expr(self.gather_q):
             if row_valid:

@@ -208,7 +208,7 @@ class TwoShot:
         gather_h = Int64(0)
         gather_a = slot_elems * self.world
 
-        bufs, rT, rR, rH, static_inv, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
+        bufs, rT, rR, rH, static_scale, global_scale, rW = self._fragments(dtype, mW, mScale, mGS,
                                                                          lane)
         rA = self.core.zeros(Float32)
         may_push = self._may_push(own_pad)
@@ -226,7 +226,7 @@ class TwoShot:
             failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig)
             self._twoshot_round(first, groups, step, failed, only, mX, mR, mRout, mW, mY, mQ, mS,
                                 mAR, mBuf, mSig, mErr, rank, eps, timeout, rows, slice_rows, sig,
-                                bidx, row_in_cta, lane, bufs, rT, rR, rH, rA, static_inv,
+                                bidx, row_in_cta, lane, bufs, rT, rR, rH, rA, static_scale,
                                 global_scale, rW, dtype, hidden, slot_elems, gather_h,
                                 gather_a)
         else:
@@ -250,7 +250,7 @@ class TwoShot:
                 failed = self._twoshot_round(g0, end, step, failed, only, mX, mR, mRout, mW, mY,
                                              mQ, mS, mAR, mBuf, mSig, mErr, rank, eps, timeout,
                                              rows, slice_rows, sig, bidx, row_in_cta, lane, bufs,
-                                             rT, rR, rH, rA, static_inv, global_scale, rW, dtype,
+                                             rT, rR, rH, rA, static_scale, global_scale, rW, dtype,
                                              hidden, slot_elems, gather_h, gather_a)
         # no third barrier: NOTE [two-shot final barrier]
 
@@ -258,7 +258,7 @@ class TwoShot:
     def _twoshot_round(self, g0: Int32, g1: Int32, step: Int32, failed: Int32, only, mX, mR,
                        mRout, mW, mY, mQ, mS, mAR, mBuf, mSig, mErr, rank: Int32, eps: Float32,
                        timeout: Int64, rows: Int32, slice_rows: Int32, sig: Int32, bidx: Int32,
-                       row_in_cta: Int32, lane: Int32, bufs, rT, rR, rH, rA, static_inv,
+                       row_in_cta: Int32, lane: Int32, bufs, rT, rR, rH, rA, static_scale,
                        global_scale, rW, dtype: cutlass.Constexpr, hidden: Int64,
                        slot_elems: Int64, gather_h: Int64, gather_a: Int64) -> Int32:
         """Two-shot phases 2 and 3 for my row groups g0, g0 + step, ... < g1 (all of them, or one
@@ -308,7 +308,7 @@ class TwoShot:
                         src = rA
                     self.core.store_row(src, cute.zipped_divide(mAR[row, None], (VEC,)), lane, dtype)
             self.core.epilogue(rH, row, row_valid, (i < slice_rows) & (row < rows), lane,
-                               row_in_cta, eps, mW, mY, mQ, mS, static_inv,
+                               row_in_cta, eps, mW, mY, mQ, mS, static_scale,
                                global_scale, bufs, rW)
             cute.arch.barrier()  # shared-memory partials are reused by the next row
         failed = self._barrier(mSig, rank, bidx, timeout, mErr, sig) | failed
@@ -333,7 +333,7 @@ class TwoShot:
                 for s in cutlass.range_constexpr(b0, min(self.world, b0 + self.slice_batch)):
                     self._gathered_row(gathered[s - b0], rT, rH, s, i, rank, slice_rows, m, rows,
                                        gbase, gather_h, gather_a, mBuf, mAR, mRout, mW, mY, mQ, mS,
-                                       lane, row_in_cta, eps, static_inv, global_scale, bufs, rW,
+                                       lane, row_in_cta, eps, static_scale, global_scale, bufs, rW,
                                        dtype, only)
         return failed
 
@@ -350,7 +350,7 @@ class TwoShot:
     def _gathered_row(self, rG, rT, rH, s: cutlass.Constexpr, i: Int32, rank: Int32,
                       slice_rows: Int32, m: Int32, rows: Int32, gbase: Int64, gather_h: Int64,
                       gather_a: Int64, mBuf, mAR, mRout, mW, mY, mQ, mS, lane: Int32,
-                      row_in_cta: Int32, eps: Float32, static_inv, global_scale, bufs, rW,
+                      row_in_cta: Int32, eps: Float32, static_scale, global_scale, bufs, rW,
                       dtype: cutlass.Constexpr, only=None):
         """Two-shot phase 3 for row i of slice s: its gathered T(h) (in rG when batches loaded it,
         NOTE [slice batches]; loaded here into rT otherwise) -> residual_out, allreduce_out,
@@ -382,6 +382,6 @@ class TwoShot:
                     self.core.store_row(rT, cute.zipped_divide(mAR[row, None], (VEC,)), lane,
                                         dtype)
             self.core.epilogue(rH, row, row_valid, (i < slice_rows) & (row < rows), lane,
-                               row_in_cta, eps, mW, mY, mQ, mS, static_inv, global_scale, bufs,
+                               row_in_cta, eps, mW, mY, mQ, mS, static_scale, global_scale, bufs,
                                rW)
             cute.arch.barrier()  # shared-memory partials are reused by the next row

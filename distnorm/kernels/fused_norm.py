@@ -42,6 +42,12 @@ MIN_PAD_WORDS = 4
 # the host then never splits (ops._writes_where_it_reads). A row spread over a cluster is split
 # into S clusters the same way (`group` counts clusters).
 
+# NOTE [weights with the row loads]
+# A split part (NOTE [split rows]) loads its weight vectors right after the row's loads, not in the
+# epilogue: there they came after the residual stores (sm_90a SASS of the split kernels), so at one
+# row only the row reduction hid their latency. Unsplit kernels keep the epilogue's load, which the
+# reduction hides as well, without a fragment of weights live across the add.
+
 # NOTE [slots]
 # Without peer memory an all-reduce gathers the ranks' rows with NCCL (collectives/nopeer.py) and
 # ends in this kernel: with slots = N, x is [N, M, H] (slot s: rank s's rows, any slot stride) and a
@@ -150,8 +156,10 @@ class FusedAddRMSNormQuant:
         rH = self.core.zeros(Float32)
         # the scalars between the row's loads and its stores: NOTE [scalars after the row loads]
         # in norm_quant.py (after a store, a load could not be moved above it: they may alias)
+        rW = None
         if const_expr(self.slots > 1):
             self._fold_row(mX, mR, row, row_valid, lane, rX, rR, rH)
+            rW = self._split_weights(mW, lane, part)
             static_scale, global_scale = self.core.load_scalars(mScale, mGS)
             if const_expr(self.has_residual):
                 if row_valid:
@@ -159,6 +167,7 @@ class FusedAddRMSNormQuant:
                                         mX.element_type, part)
         else:
             self._load_row(mX, mR, row, row_valid, lane, rX, rR)
+            rW = self._split_weights(mW, lane, part)
             static_scale, global_scale = self.core.load_scalars(mScale, mGS)
             self._add_row(mRout, row, row_valid, lane, part, rX, rR, rH)
         if const_expr(self.t.cluster_n > 1):
@@ -166,7 +175,14 @@ class FusedAddRMSNormQuant:
             # flight; it must precede the first DSMEM store (NOTE [cluster exchange])
             cute.arch.cluster_wait()
         self.core.epilogue(rH, row, row_valid, row < rows, lane, row_in_cta, eps, mW, mY, mQ, mS,
-                           static_scale, global_scale, bufs, None, part)
+                           static_scale, global_scale, bufs, rW, part)
+
+    def _split_weights(self, mW, lane: Int32, part):
+        """A split part's weight vectors (NOTE [weights with the row loads]); None without a split
+        (the epilogue loads them)."""
+        if self.split == 1:
+            return None
+        return self.core.load_weight(mW, lane, self.core.weight_columns(part))
 
     @cute.jit
     def _load_row(self, mX, mR, row: Int32, row_valid, lane: Int32, rX, rR):

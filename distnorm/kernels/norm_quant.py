@@ -365,15 +365,20 @@ class NormQuantCore(BlockScales, SplitParts):
         self._copy_row(rW, cute.zipped_divide(mW, (VEC,)), lane, False, None, VEC, None, cols)
         return rW
 
+    def weight_columns(self, part) -> list:
+        """The vector columns whose weights the epilogue multiplies y by (load_weight's `cols`):
+        part_columns(part), or all of them where the row amax needs every y (per-token scales)."""
+        return self.part_columns(None if self.q.info.scales == "row" else part)
+
     @cute.jit
     def epilogue(self, rH, row: Int32, row_valid, scale_valid, lane: Int32, row_in_cta: Int32,
                  eps: Float32, mW, mY, mQ, mS, static_scale: Float32, global_scale: Float32, bufs,
                  rW=None, part=None, scale_row=None):
         """rH: float32 register fragment [vecs_per_thread * 8] of h for row thread `lane`'s
         vectors (lane: the thread's index among the row's row_threads, cluster-wide).
-        rW: this thread's weight vectors (load_weight), when the caller loaded them early; else
-        they are loaded here (a split part loads its own columns only: only then may `part` be
-        given with rW None).
+        rW: this thread's weight vectors of weight_columns(part) (load_weight), when the caller
+        loaded them early (NOTE [weights with the row loads] in fused_norm.py); else they are
+        loaded here.
 
         static_scale, global_scale: load_scalars's (the static scale as loaded).
         Writes T(y) to mY (when write_y), q to mQ (as int32 words) and scales to mS. Threads of padded
@@ -388,7 +393,7 @@ class NormQuantCore(BlockScales, SplitParts):
         # a split part makes only its own vectors' y (NOTE [compact parts]), but every y when the
         # row amax needs it (compacted after the amax)
         y_part = None if self.q.info.scales == "row" else part
-        cols = self.part_columns(y_part)
+        cols = self.weight_columns(part)
         if const_expr(rW is None):
             # issued before the reduction so its latency hides behind it (matters at M=1)
             rW = self.load_weight(mW, lane, cols)

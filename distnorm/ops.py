@@ -88,10 +88,10 @@ def _split_rows(H: int, rows: int, spec: Optional[QuantSpec]) -> int:
     `rows` rows whose outputs start at none of their inputs. Measured on H200, cold L2:
     - rows on one CTA (benchmarks/results/decode_split_rule_h200.md, up to H = 8192): 4 up to 48
       rows (2 for FP8 with one scale per row, static or per-token: less arithmetic per element to
-      spread, and per-token lost 6% with 4 at 48 rows); static FP8 takes 4 up to 8 rows since its
-      scale is loaded after the row (NOTE [scalars after the row loads] in
-      kernels/norm_quant.py; benchmarks/results/decode_parts_h200.md: 1-8 x 8192 1.52 -> 1.43 us
-      on CuTe DSL 4.3.5);
+      spread, and per-token lost 6% with 4 at 48 rows); static FP8 from H = 8192 takes 4 up to
+      8 rows since its scale is loaded after the row (NOTE [scalars after the row loads] in
+      kernels/norm_quant.py; benchmarks/results/decode_parts_h200.md: 1-8 x 8192 -5..-7% on
+      CuTe DSL 4.3.5 and 4.8.1; at 2048-5120 4 parts were 1-4% slower on 4.8.1);
     - rows spread over a cluster (benchmarks/results/split_cluster_ab_h200.md, H = 16384 / 32768,
       M = 1, 2, 4, 8, 16, 48): a split loses from 48 rows in every format (up to 1.6x slower with
       4 parts) and from 16 for bf16 output and row-scaled FP8; the formats with a scale per group
@@ -106,7 +106,7 @@ def _split_rows(H: int, rows: int, spec: Optional[QuantSpec]) -> int:
         return 1
     if _cluster_size(H, rows, spec) == 1:
         scales = spec.info.scales if spec is not None else None
-        if scales == "row" or (scales == "static" and rows > SPLIT_CLUSTER_ROWS[0]):
+        if scales == "row" or (scales == "static" and (rows > SPLIT_CLUSTER_ROWS[0] or H < 8192)):
             return 2
         return 4
     if spec is not None and spec.grouped:

@@ -90,7 +90,7 @@ def _split_rows(H: int, rows: int, spec: Optional[QuantSpec]) -> int:
       rows (2 for FP8 with one scale per row, static or per-token: less arithmetic per element to
       spread, and per-token lost 6% with 4 at 48 rows); static FP8 from H = 8192 takes 4 up to
       8 rows since its scale is loaded after the row (NOTE [scalars after the row loads] in
-      kernels/norm_quant.py; benchmarks/results/decode_parts_h200.md: 1-8 x 8192 -5..-7% on
+      kernels/norm_quant.py; benchmarks/results/decode_parts_h200.md: 1-8 x 8192 -4..-8% on
       CuTe DSL 4.3.5 and 4.8.1; at 2048-5120 4 parts were 1-4% slower on 4.8.1);
     - rows spread over a cluster (benchmarks/results/split_cluster_ab_h200.md, H = 16384 / 32768,
       M = 1, 2, 4, 8, 16, 48): a split loses from 48 rows in every format (up to 1.6x slower with

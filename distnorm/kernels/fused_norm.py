@@ -46,7 +46,10 @@ MIN_PAD_WORDS = 4
 # A split part (NOTE [split rows]) loads its weight vectors right after the row's loads, not in the
 # epilogue: there they came after the residual stores (sm_90a SASS of the split kernels), so at one
 # row only the row reduction hid their latency. Unsplit kernels keep the epilogue's load, which the
-# reduction hides as well, without a fragment of weights live across the add.
+# reduction hides as well, without a fragment of weights live across the add. Measured on H200
+# against the scalars change alone (benchmarks/results/scalars_after_loads_ab{435,481}_h200.md):
+# CuTe DSL 4.8.1 static FP8 and NVFP4 0..-5%, per-token even; 4.3.5 mixed (static FP8 at 2048 x 4-16
+# rows -7..-9%, at 48 rows +1..+4%; per-token up to +3%).
 
 # NOTE [slots]
 # Without peer memory an all-reduce gathers the ranks' rows with NCCL (collectives/nopeer.py) and

@@ -164,10 +164,7 @@ class FusedAddRMSNormQuant:
             self._fold_row(mX, mR, row, row_valid, lane, rX, rR, rH)
             rW = self._split_weights(mW, lane, part)
             static_scale, global_scale = self.core.load_scalars(mScale, mGS)
-            if const_expr(self.has_residual):
-                if row_valid:
-                    self.core.store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane,
-                                        mX.element_type, part)
+            self._store_sum(mRout, row, row_valid, lane, part, rH, mX.element_type)
         else:
             self._load_row(mX, mR, row, row_valid, lane, rX, rR)
             rW = self._split_weights(mW, lane, part)
@@ -218,3 +215,11 @@ class FusedAddRMSNormQuant:
                 self.core.load_row(rX, cute.zipped_divide(mX[s, row, None], (VEC,)), lane)
                 self.core.fold(rH, rX, s)
             self.core.round_sum(rH, rR, self.has_residual, mX.element_type)
+
+    @cute.jit
+    def _store_sum(self, mRout, row: Int32, row_valid, lane: Int32, part, rH, dtype):
+        """NOTE [slots]: residual_out <- _fold_row's h (float32 values of dtype, exact)."""
+        if const_expr(self.has_residual):
+            if row_valid:
+                self.core.store_row(rH, cute.zipped_divide(mRout[row, None], (VEC,)), lane, dtype,
+                                    part)

@@ -123,7 +123,9 @@ class NormQuantCore(BlockScales, SplitParts):
     # 4.3.5 and 4.8.1), and 4.8.1 moved NVFP4's global scale into a uniform register (R2UR, which
     # waits for the load too) ahead of the row loads of the 4-part split: a scalar load's latency
     # in front of the row's on the decode path. A load issued after the row loads waits for
-    # nothing; its value is needed only once the row has been reduced. Measured on H200 (benchmarks/
+    # nothing; its value is needed only once the row has been reduced. The all-reduce kernels keep
+    # their early load (_fragments): with no instruction waiting on its value it stalls nothing
+    # (sm_90a SASS of lamport and the one-shot on 4.8.1). Measured on H200 (benchmarks/
     # results/scalars_after_loads_ab{435,481}_h200.md, 1-48 rows x 2048-8192): static FP8 -6..-16%
     # on 4.8.1 and -1..-14% on 4.3.5, NVFP4 -1..-14%, per-token FP8 (no scalar) within 2%.
     @cute.jit

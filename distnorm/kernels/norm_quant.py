@@ -369,10 +369,14 @@ class NormQuantCore(BlockScales, SplitParts):
         self._copy_row(rW, cute.zipped_divide(mW, (VEC,)), lane, False, None, VEC, None, cols)
         return rW
 
+    def y_part(self, part):
+        """The part whose y vectors a split part makes (NOTE [compact parts]): its own, or None
+        (every vector) where the row amax needs every y (per-token scales)."""
+        return None if self.q.info.scales == "row" else part
+
     def weight_columns(self, part) -> list:
-        """The vector columns whose weights the epilogue multiplies y by (load_weight's `cols`):
-        part_columns(part), or all of them where the row amax needs every y (per-token scales)."""
-        return self.part_columns(None if self.q.info.scales == "row" else part)
+        """The vector columns whose weights the epilogue multiplies y by (load_weight's `cols`)."""
+        return self.part_columns(self.y_part(part))
 
     @cute.jit
     def epilogue(self, rH, row: Int32, row_valid, scale_valid, lane: Int32, row_in_cta: Int32,
@@ -396,8 +400,8 @@ class NormQuantCore(BlockScales, SplitParts):
         t = self.t
         # a split part makes only its own vectors' y (NOTE [compact parts]), but every y when the
         # row amax needs it (compacted after the amax)
-        y_part = None if self.q.info.scales == "row" else part
-        cols = self.weight_columns(part)
+        y_part = self.y_part(part)
+        cols = self.part_columns(y_part)
         if const_expr(rW is None):
             # issued before the reduction so its latency hides behind it (matters at M=1)
             rW = self.load_weight(mW, lane, cols)

@@ -88,10 +88,12 @@ def _split_rows(H: int, rows: int, spec: Optional[QuantSpec]) -> int:
     `rows` rows whose outputs start at none of their inputs. Measured on H200, cold L2:
     - rows on one CTA (benchmarks/results/decode_split_rule_h200.md, up to H = 8192): 4 up to 48
       rows (2 for FP8 with one scale per row, static or per-token: less arithmetic per element to
-      spread, and per-token lost 6% with 4 at 48 rows); static FP8 from H = 8192 takes 4 up to
-      8 rows since its scale is loaded after the row (NOTE [scalars after the row loads] in
-      kernels/norm_quant.py; benchmarks/results/decode_parts_h200.md: 1-8 x 8192 -4..-8% on
-      CuTe DSL 4.3.5 and 4.8.1; at 2048-5120 4 parts were 1-4% slower on 4.8.1);
+      spread, and per-token lost 6% with 4 at 48 rows); FP8 with one scale per row takes 4 from
+      H = 8192 up to 16 rows since its scalars are loaded after the row (NOTE [scalars after the
+      row loads] in kernels/norm_quant.py; benchmarks/results/decode_parts_h200.md,
+      split_corners_h200.md: static 1-16 x 8192 / 12288 -2..-8%, per-token 1-16 x 12288 -2..-10%,
+      at 8192 -2..+1%, on CuTe DSL 4.3.5 and 4.8.1; below 8192 4 parts were up to 5% slower on
+      4.8.1, per-token up to 6% on both);
     - rows spread over a cluster (benchmarks/results/split_cluster_ab_h200.md, H = 16384 / 32768,
       M = 1, 2, 4, 8, 16, 48): a split loses from 48 rows in every format (up to 1.6x slower with
       4 parts) and from 16 for bf16 output and row-scaled FP8; the formats with a scale per group
@@ -106,7 +108,7 @@ def _split_rows(H: int, rows: int, spec: Optional[QuantSpec]) -> int:
         return 1
     if _cluster_size(H, rows, spec) == 1:
         scales = spec.info.scales if spec is not None else None
-        if scales == "row" or (scales == "static" and (rows > SPLIT_CLUSTER_ROWS[0] or H < 8192)):
+        if scales in ("row", "static") and (rows > SPLIT_CLUSTER_ROWS[1] or H < 8192):
             return 2
         return 4
     if spec is not None and spec.grouped:

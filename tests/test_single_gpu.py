@@ -246,7 +246,8 @@ SPLIT_CASES = [("none", 1, 4, 32768, "fp16"), ("none", 4, 4, 32768, "fp16"),
                ("fp8_per_token", 1, 4, 768, "fp16"), ("fp8", 1, 2, 768, "fp16"),
                ("fp8_g128", 1, 4, 768, "fp16"), ("mxfp8_swizzled", 1, 4, 2880, "fp16"),
                ("nvfp4_swizzled", 1, 2, 2880, "fp16"), ("fp8_per_token", 1, 2, 2880, "bf16"),
-               ("fp8", 1, 2, 2880, "bf16"), ("none", 1, 2, 2880, "bf16"), ("fp8", 1, 4, 8192, "bf16")]
+               ("fp8", 1, 2, 2880, "bf16"), ("none", 1, 2, 2880, "bf16"), ("fp8", 1, 4, 8192, "bf16"),
+               ("fp8_per_token", 1, 4, 12288, "bf16")]
 if grid_level(os.environ) == "full":  # every format, 2 and 4 parts, at the ragged and odd tilings
     SPLIT_CASES += [(v, 1, split, H, d) for H in (2880, 2816, 5120, 768) for v in VARIANTS
                     for d in DTYPES for split in (2, 4)

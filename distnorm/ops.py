@@ -89,8 +89,9 @@ def _split_rows(H: int, rows: int, spec: Optional[QuantSpec]) -> int:
     - rows on one CTA (benchmarks/results/decode_split_rule_h200.md, up to H = 8192): 4 up to 48
       rows (2 for FP8 with one scale per row, static or per-token: less arithmetic per element to
       spread, and per-token lost 6% with 4 at 48 rows); FP8 with one scale per row takes 4 from
-      H = 8192 up to 16 rows since its scalars are loaded after the row (NOTE [scalars after the
-      row loads] in kernels/norm_quant.py; benchmarks/results/decode_parts_h200.md,
+      H = 8192 up to 16 rows (static since its scale is loaded after the row: NOTE [scalars after
+      the row loads] in kernels/norm_quant.py; per-token gains at 12288 and is even at
+      8192, one threshold for both; benchmarks/results/decode_parts_h200.md,
       split_corners_h200.md: static 1-16 x 8192 / 12288 -2..-8%, per-token 1-16 x 12288 -2..-10%,
       at 8192 -2..+1%, on CuTe DSL 4.3.5 and 4.8.1; below 8192 4 parts were up to 5% slower on
       4.8.1, per-token up to 6% on both);

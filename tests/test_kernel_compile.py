@@ -24,7 +24,8 @@ for q in variants:
                                           ("bfloat16", 32768, True, False, 8, False)):
         compiled_fused_norm(dtype, H, q, res, gemma, q.kind == "none", cn, pdl)
         done.append((q.kind, H, cn))
-    # decode: each row split over CTAs (NOTE [split rows]), as ops._split_rows picks
+    # decode: each row split over CTAs (NOTE [split rows]): FP8 with one scale per row in 2 parts
+    # (what ops._split_rows picks for it below H = 8192 and at 17-48 rows; its 4 parts at 768 below)
     split = 2 if q.kind in ("fp8", "fp8_per_token") else 4
     compiled_fused_norm("bfloat16", 8192, q, True, False, True, 1, True, split)
     done.append((q.kind, 8192, split))

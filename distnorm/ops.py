@@ -29,6 +29,7 @@ DECODE_ROWS = 48  # up to this many rows the 4-CTA spread pays (measured at 40, 
 # up to these many rows, rows spread over a cluster are also split (formats with a scale per group:
 # 4 parts up to 8 rows, then per-group FP8 2 up to 16; others 2 up to 8): _split_rows
 SPLIT_CLUSTER_ROWS = (8, 16)
+STATIC_SPLIT_ROWS = 32  # static FP8 from H = 8192 keeps 4 parts up to this many rows: _split_rows
 
 
 def cluster_for(H: int, M: int, spec: Optional[QuantSpec] = None) -> int:
@@ -54,6 +55,7 @@ def _rows_bucket(M: int) -> int:
     rows: FEW_ROWS + 1)."""
     return (SPLIT_CLUSTER_ROWS[0] if M <= SPLIT_CLUSTER_ROWS[0] else
             SPLIT_CLUSTER_ROWS[1] if M <= SPLIT_CLUSTER_ROWS[1] else
+            STATIC_SPLIT_ROWS if M <= STATIC_SPLIT_ROWS else
             DECODE_ROWS if M <= DECODE_ROWS else FEW_ROWS if M <= FEW_ROWS else FEW_ROWS + 1)
 
 
@@ -94,7 +96,8 @@ def _split_rows(H: int, rows: int, spec: Optional[QuantSpec]) -> int:
       8192, one threshold for both; benchmarks/results/decode_parts_h200.md,
       split_corners_h200.md: static 1-16 x 8192 / 12288 -2..-8%, per-token 1-16 x 12288 -2..-10%,
       at 8192 -2..+1%, on CuTe DSL 4.3.5 and 4.8.1; below 8192 4 parts were up to 5% slower on
-      4.8.1, per-token up to 6% on both);
+      4.8.1, per-token up to 6% on both); static FP8 keeps 4 parts up to 32 rows (24 / 32 x
+      8192 / 12288 -3..-9% against 2, while at 48 rows 2 parts are 2-7% faster: split_mid_h200.md);
     - rows spread over a cluster (benchmarks/results/split_cluster_ab_h200.md, H = 16384 / 32768,
       M = 1, 2, 4, 8, 16, 48): a split loses from 48 rows in every format (up to 1.6x slower with
       4 parts) and from 16 for bf16 output and row-scaled FP8; the formats with a scale per group
@@ -109,7 +112,11 @@ def _split_rows(H: int, rows: int, spec: Optional[QuantSpec]) -> int:
         return 1
     if _cluster_size(H, rows, spec) == 1:
         scales = spec.info.scales if spec is not None else None
-        if scales in ("row", "static") and (rows > SPLIT_CLUSTER_ROWS[1] or H < 8192):
+        if scales in ("row", "static") and H < 8192:
+            return 2
+        if scales == "row" and rows > SPLIT_CLUSTER_ROWS[1]:
+            return 2
+        if scales == "static" and rows > STATIC_SPLIT_ROWS:
             return 2
         return 4
     if spec is not None and spec.grouped:

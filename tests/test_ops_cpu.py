@@ -128,12 +128,13 @@ def test_split_rows_never_when_an_output_starts_at_an_input():
                  for M in (1, 8, 9, 16, 17, 48)]
     assert long_rows == [4, 4, 1, 1, 1, 1, 4, 4, 2, 2, 1, 1, 2, 2, 1, 1, 1, 1]
     # rows on one CTA: FP8 with one scale per row (static, per-token) from H = 8192 in 4 parts up
-    # to 16 rows, then 2; below 8192 in 2
+    # to 16 rows (static up to 32), then 2; below 8192 in 2
     short_rows = [fused_kernel_key(torch.bfloat16, H, make_quant_spec(k), True, False, True, M)[-1]
                   for k, H in (("fp8", 8192), ("fp8", 4096), ("fp8_per_token", 12288),
                                ("fp8_per_token", 6144))
-                  for M in (1, 8, 16, 17, 48, 49)]
-    assert short_rows == [4, 4, 4, 2, 2, 1, 2, 2, 2, 2, 2, 1, 4, 4, 4, 2, 2, 1, 2, 2, 2, 2, 2, 1]
+                  for M in (1, 8, 16, 17, 32, 33, 48, 49)]
+    assert short_rows == [4, 4, 4, 4, 4, 2, 2, 1, 2, 2, 2, 2, 2, 2, 2, 1,
+                          4, 4, 4, 2, 2, 2, 2, 1, 2, 2, 2, 2, 2, 2, 2, 1]
 
 
 def test_in_place_calls_compile_only_the_kernel_they_launch(monkeypatch):

@@ -97,7 +97,7 @@ def _split_rows(H: int, rows: int, spec: Optional[QuantSpec]) -> int:
       split_corners_h200.md: static 1-16 x 8192 / 12288 -2..-8%, per-token 1-16 x 12288 -2..-10%,
       at 8192 -2..+1%, on CuTe DSL 4.3.5 and 4.8.1; below 8192 4 parts were up to 5% slower on
       4.8.1, per-token up to 6% on both); static FP8 keeps 4 parts up to 32 rows (24 / 32 x
-      8192 / 12288 -3..-9% against 2, while at 48 rows 2 parts are 2-7% faster: split_mid_h200.md);
+      8192 / 12288 -1..-9% against 2, while at 48 rows 2 parts are 2-7% faster: split_mid_h200.md);
     - rows spread over a cluster (benchmarks/results/split_cluster_ab_h200.md, H = 16384 / 32768,
       M = 1, 2, 4, 8, 16, 48): a split loses from 48 rows in every format (up to 1.6x slower with
       4 parts) and from 16 for bf16 output and row-scaled FP8; the formats with a scale per group

@@ -28,6 +28,10 @@ from distnorm.kernels.tiling import RowTiling
 # (16 per CTA, a byte store per block) and their CTAs finished last at M = 1: NVFP4 at H = 8192
 # took 2.97 us against 2.59 for the linear layout, which has no padding
 # (benchmarks/results/pad_coalesced_ab_h200.md: 4, 16, 64, 256 words per thread, then this rule).
+# They come after the row CTAs: first in the grid they delay the rows' start (+2..+11% at 1-17 rows),
+# though at H = 12288 with 20-48 rows first is 10-15% faster for NVFP4, not understood, no rule yet
+# (benchmarks/results/split_padding_h200.md; there too: 16-byte units do not help, and no padding
+# CTAs, the row CTAs zeroing the tile, help as much there but cost up to 25% at one row).
 PAD_CTAS = 8
 MIN_PAD_WORDS = 4
 

@@ -29,7 +29,7 @@ from distnorm.kernels.tiling import RowTiling
 # took 2.97 us against 2.59 for the linear layout, which has no padding
 # (benchmarks/results/pad_coalesced_ab_h200.md: 4, 16, 64, 256 words per thread, then this rule).
 # They come after the row CTAs: first in the grid they delay the rows' start (+2..+11% at 1-17 rows),
-# though at H = 12288 with 20-48 rows first is 10-15% faster for NVFP4, not understood, no rule yet
+# though at H = 12288 with 20-28 or 40-48 rows first is 10-15% faster for NVFP4: not understood, no rule
 # (benchmarks/results/split_padding_h200.md; there too: 16-byte units do not help, and no padding
 # CTAs, the row CTAs zeroing the tile, help as much there but cost up to 25% at one row).
 PAD_CTAS = 8

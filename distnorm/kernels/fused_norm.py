@@ -28,10 +28,12 @@ from distnorm.kernels.tiling import RowTiling
 # (16 per CTA, a byte store per block) and their CTAs finished last at M = 1: NVFP4 at H = 8192
 # took 2.97 us against 2.59 for the linear layout, which has no padding
 # (benchmarks/results/pad_coalesced_ab_h200.md: 4, 16, 64, 256 words per thread, then this rule).
-# They come after the row CTAs: first in the grid they delay the rows' start (+2..+11% at 1-17 rows),
-# though at H = 12288 with 20-28 or 40-48 rows first is 10-15% faster for NVFP4: not understood, no rule
-# (benchmarks/results/split_padding_h200.md; there too: 16-byte units do not help, and no padding
-# CTAs, the row CTAs zeroing the tile, help as much there but cost up to 25% at one row).
+# They come after the row CTAs: first in the grid they delay the rows' start (+2..+11% at 1-17 rows;
+# 16-byte units do not help, nor do row CTAs that zero the tile: split_padding_h200.md). First is
+# 6-16% faster at 12288 / 14336 x 19-28 rows only where a call follows itself with programmatic
+# dependent launch: the next grid is placed while this one holds the SMs and is packed (104 CTAs on
+# 70 SMs), and the order changes that packing; with PDL off the times are smooth in M and first is
+# 0.5-3% slower everywhere (benchmarks/results/pad_first_pdl_h200.md). Hence no rule.
 PAD_CTAS = 8
 MIN_PAD_WORDS = 4
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -30,6 +30,25 @@ DECODE_ROWS = 48  # up to this many rows the 4-CTA spread pays (measured at 40, 
 # 4 parts up to 8 rows, then per-group FP8 2 up to 16; others 2 up to 8): _split_rows
 SPLIT_CLUSTER_ROWS = (8, 16)
 STATIC_SPLIT_ROWS = 32  # static FP8 from H = 8192 keeps 4 parts up to this many rows: _split_rows
+# swizzled calls of these many rows on one CTA per row in parts take one CTA per SM:
+# NOTE [one CTA per SM] in kernels/fused_norm.py; _one_cta_per_sm
+PACKED_ROWS = (19, STATIC_SPLIT_ROWS)
+PACKED_MIN_H = 4096
+
+
+class FusedKernelKey(NamedTuple):
+    """compiled_fused_norm's arguments, by name (a tuple: `compiled_fused_norm(*key)`)."""
+    dtype: str
+    hidden: int
+    quant: QuantSpec
+    has_residual: bool
+    gemma: bool
+    write_y: bool
+    cluster_n: int
+    pdl: bool
+    split: int
+    slots: int
+    one_cta_per_sm: bool
 
 
 def cluster_for(H: int, M: int, spec: Optional[QuantSpec] = None) -> int:
@@ -55,6 +74,7 @@ def _rows_bucket(M: int) -> int:
     rows: FEW_ROWS + 1)."""
     return (SPLIT_CLUSTER_ROWS[0] if M <= SPLIT_CLUSTER_ROWS[0] else
             SPLIT_CLUSTER_ROWS[1] if M <= SPLIT_CLUSTER_ROWS[1] else
+            PACKED_ROWS[0] - 1 if M < PACKED_ROWS[0] else
             STATIC_SPLIT_ROWS if M <= STATIC_SPLIT_ROWS else
             DECODE_ROWS if M <= DECODE_ROWS else FEW_ROWS if M <= FEW_ROWS else FEW_ROWS + 1)
 
@@ -72,16 +92,29 @@ def _cluster_size(H: int, rows: int, spec: Optional[QuantSpec]) -> int:
 
 
 def fused_kernel_key(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_residual: bool,
-                     gemma: bool, write_y: bool, M: int, in_place: bool = False) -> tuple:
+                     gemma: bool, write_y: bool, M: int, in_place: bool = False,
+                     slots: int = 1) -> FusedKernelKey:
     """compiled_fused_norm's arguments (the compile-time key) for a call of M rows: what
     distnorm.kernels.precompile compiles ahead of the calls. in_place: an output starts where an
-    input does (vLLM's in-place form; rows are then never split)."""
+    input does (vLLM's in-place form; rows are then never split). slots: x is [slots, M, H]
+    (NOTE [slots] in kernels/fused_norm.py)."""
     from .collectives.plan import pdl_from_env
 
     bucket = _rows_bucket(M)
-    return (DTYPE_NAMES[dtype], H, kernel_spec(spec), has_residual, gemma, write_y,
-            _cluster_size(H, bucket, spec), pdl_from_env(),
-            1 if in_place else _split_rows(H, bucket, spec))
+    cluster = _cluster_size(H, bucket, spec)
+    split = 1 if in_place else _split_rows(H, bucket, spec)
+    return FusedKernelKey(DTYPE_NAMES[dtype], H, kernel_spec(spec), has_residual, gemma, write_y,
+                          cluster, pdl_from_env(), split, slots,
+                          _one_cta_per_sm(H, bucket, spec, cluster, split))
+
+
+@functools.cache
+def _one_cta_per_sm(H: int, rows: int, spec: Optional[QuantSpec], cluster: int, split: int) -> bool:
+    """Whether calls of up to `rows` rows hold an SM per CTA (NOTE [one CTA per SM] in
+    kernels/fused_norm.py): swizzled scales (whose padding CTAs join the grid) on one CTA per row
+    in parts, from PACKED_ROWS[0] to PACKED_ROWS[1] rows, where the grid fits the SMs of an H200."""
+    return (spec is not None and spec.block_scaled and spec.swizzled and cluster == 1
+            and split > 1 and H >= PACKED_MIN_H and PACKED_ROWS[0] <= rows <= PACKED_ROWS[1])
 
 
 @functools.cache
@@ -149,7 +182,7 @@ class _CallKernels:
     def __init__(self, key: tuple, slots: int = 1):
         self.key = key
         self.slots = slots  # NOTE [slots] in kernels/fused_norm.py
-        self.split = fused_kernel_key(*key)[-1]
+        self.split = fused_kernel_key(*key).split
         self.kernel = None
         self.in_place_kernel = None
         self.scalar = format_scalar(key[2])
@@ -158,7 +191,7 @@ class _CallKernels:
         """Compile (or load) and keep the kernel for calls in place or not."""
         from .kernels.compile import compiled_fused_norm
 
-        kernel = compiled_fused_norm(*fused_kernel_key(*self.key, in_place), self.slots)
+        kernel = compiled_fused_norm(*fused_kernel_key(*self.key, in_place, self.slots))
         if in_place:
             self.in_place_kernel = kernel
         else:

@@ -31,11 +31,12 @@ QUANTS = {
 FUSED_SHAPES = (("bfloat16", 4096, True, False, 1), ("float16", 1536, False, True, 1),
                 ("bfloat16", 32768, True, False, 2), ("bfloat16", 8192, True, False, 8))
 # (quant, H, cluster, pdl, split, slots): split rows (NOTE [split rows]; at H = 768 a part with no
-# vector: NOTE [compact parts]), PDL, rank slots (NOTE [slots])
+# vector: NOTE [compact parts]), PDL, rank slots (NOTE [slots]), and one with an SM per CTA (NOTE [one
+# CTA per SM])
 FUSED_LAUNCH_FORMS = (("nvfp4s", 4096, 1, True, 4, 1), ("pg128", 32768, 4, True, 4, 1),
                       ("mxfp8s", 16384, 2, True, 2, 1), ("fp8", 8192, 1, False, 2, 1),
                       ("pt", 4096, 1, True, 1, 2), ("pg128", 768, 1, True, 4, 1),
-                      ("pt", 768, 1, True, 4, 1))
+                      ("pt", 768, 1, True, 4, 1), ("nvfp4s", 12288, 1, True, 4, 1, True))
 # (algo, world, dtype, H, quant, residual, gemma, write_y, write_allreduce[, pdl, rows_per_cta,
 #  form]): every all-reduce algorithm at world 2 / 4 / 8, plain and fused, the formats' scale kinds,
 # fp16 and ragged rows, PDL and rows per CTA, every form. Also what tests/test_allreduce_compile.py
@@ -134,9 +135,10 @@ def kernel_variants() -> list:
             variants.append((f"fused_{qname}_{dtype}_{H}_{int(res)}{int(gemma)}_{cluster}",
                              lambda q=QUANTS[qname], a=(dtype, H, res, gemma, qname == "none", cluster):
                              compiled_fused_norm(a[0], a[1], q, a[2], a[3], a[4], a[5])))
-    for qname, H, cluster, pdl, split, slots in FUSED_LAUNCH_FORMS:
-        variants.append((f"fused_{qname}_{H}_c{cluster}_pdl{int(pdl)}_split{split}_slots{slots}",
-                         lambda q=QUANTS[qname], a=(H, cluster, pdl, split, slots):
+    for qname, H, cluster, pdl, split, slots, *one_per_sm in FUSED_LAUNCH_FORMS:
+        variants.append((f"fused_{qname}_{H}_c{cluster}_pdl{int(pdl)}_split{split}_slots{slots}"
+                         + ("_one_per_sm" if one_per_sm else ""),
+                         lambda q=QUANTS[qname], a=(H, cluster, pdl, split, slots, *one_per_sm):
                          compiled_fused_norm("bfloat16", a[0], q, True, False, False, *a[1:])))
     for v in ALLREDUCE:
         variants.append(("ar_" + "_".join(str(a) for a in (*v[:4], QUANTS[v[4]].kind, *v[5:])),

@@ -119,22 +119,44 @@ def test_split_rows_never_when_an_output_starts_at_an_input():
     assert _writes_where_it_reads(x, None, None, x[:2], None)  # a view starting at x
     assert _writes_where_it_reads(x, res, None, None, res)  # q over residual
     spec = make_quant_spec("nvfp4")
-    assert fused_kernel_key(torch.bfloat16, 4096, spec, True, False, True, 1)[-1] == 4
-    assert fused_kernel_key(torch.bfloat16, 4096, spec, True, False, True, 1, in_place=True)[-1] == 1
-    assert fused_kernel_key(torch.bfloat16, 4096, spec, True, False, True, 4099)[-1] == 1
+    assert fused_kernel_key(torch.bfloat16, 4096, spec, True, False, True, 1).split == 4
+    assert fused_kernel_key(torch.bfloat16, 4096, spec, True, False, True, 1, in_place=True).split == 1
+    assert fused_kernel_key(torch.bfloat16, 4096, spec, True, False, True, 4099).split == 1
     # rows spread over a cluster are split too, fewer parts as rows grow (ops._split_rows)
-    long_rows = [fused_kernel_key(torch.bfloat16, 32768, s, True, False, True, M)[-1]
+    long_rows = [fused_kernel_key(torch.bfloat16, 32768, s, True, False, True, M).split
                  for s in (spec, make_quant_spec("fp8_per_group"), make_quant_spec("fp8_per_token"))
                  for M in (1, 8, 9, 16, 17, 48)]
     assert long_rows == [4, 4, 1, 1, 1, 1, 4, 4, 2, 2, 1, 1, 2, 2, 1, 1, 1, 1]
     # rows on one CTA: FP8 with one scale per row (static, per-token) from H = 8192 in 4 parts up
     # to 16 rows (static up to 32), then 2; below 8192 in 2
-    short_rows = [fused_kernel_key(torch.bfloat16, H, make_quant_spec(k), True, False, True, M)[-1]
+    short_rows = [fused_kernel_key(torch.bfloat16, H, make_quant_spec(k), True, False, True, M).split
                   for k, H in (("fp8", 8192), ("fp8", 4096), ("fp8_per_token", 12288),
                                ("fp8_per_token", 6144))
                   for M in (1, 8, 16, 17, 32, 33, 48, 49)]
     assert short_rows == [4, 4, 4, 4, 4, 2, 2, 1, 2, 2, 2, 2, 2, 2, 2, 1,
                           4, 4, 4, 2, 2, 2, 2, 1, 2, 2, 2, 2, 2, 2, 2, 1]
+
+
+def test_one_cta_per_sm_only_for_swizzled_split_rows_that_fit_the_sms():
+    """NOTE [one CTA per SM]: 19-32 rows, swizzled block scales, one CTA per row in parts, H >= 4096."""
+    from distnorm.formats import make_quant_spec
+    from distnorm.ops import fused_kernel_key
+
+    def flag(quant, H, M, in_place=False, **opts):
+        spec = make_quant_spec(quant, **opts)
+        return fused_kernel_key(torch.bfloat16, H, spec, True, False, False, M, in_place).one_cta_per_sm
+
+    assert [flag("nvfp4", 12288, M) for M in (1, 16, 17, 18, 19, 24, 32, 33, 48)] == \
+        [False, False, False, False, True, True, True, False, False]
+    assert flag("mxfp8", 4096, 24) and flag("mxfp4", 8192, 19) and flag("nvfp4", 14336, 32)
+    assert not flag("nvfp4", 2048, 24)  # several rows per CTA
+    assert not flag("nvfp4", 16384, 24)  # rows spread over a cluster, not split
+    assert not flag("nvfp4", 12288, 24, sf_layout="linear")  # no padding CTAs
+    assert not flag("fp8_per_token", 12288, 24) and not flag("fp8", 12288, 24)
+    assert not flag("nvfp4", 12288, 24, in_place=True)  # one CTA per row, not split
+    key = fused_kernel_key(torch.bfloat16, 12288, make_quant_spec("nvfp4"), True, False, False, 24,
+                           slots=2)
+    assert (key.split, key.slots, key.one_cta_per_sm) == (4, 2, True)
 
 
 def test_in_place_calls_compile_only_the_kernel_they_launch(monkeypatch):
@@ -147,9 +169,10 @@ def test_in_place_calls_compile_only_the_kernel_they_launch(monkeypatch):
     compiled, launched = [], []
 
     def fake_compile(*key):
-        assert key[-1] == 1  # slots: one (x [M, H])
-        compiled.append(key[-2])  # the key's split
-        return lambda *args: launched.append(key[-2])
+        key = ops.FusedKernelKey(*key)
+        assert key.slots == 1  # x [M, H]
+        compiled.append(key.split)
+        return lambda *args: launched.append(key.split)
 
     monkeypatch.setattr(kernel_compile, "compiled_fused_norm", fake_compile)
     ops.clear_kernel_caches()
@@ -177,7 +200,7 @@ def test_kernel_checked_call_keeps_in_place_calls_unsplit(monkeypatch):
 
     launched = []
     monkeypatch.setattr(kernel_compile, "compiled_fused_norm",
-                        lambda *key: (lambda *args: launched.append(key[-2])))
+                        lambda *key: (lambda *args: launched.append(ops.FusedKernelKey(*key).split)))
     ops.clear_kernel_caches()
     try:
         x, res = torch.randn(4, 4096).bfloat16(), torch.randn(4, 4096).bfloat16()

@@ -206,10 +206,10 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
     them ahead, in parallel."""
     from distnorm.ops import fused_kernel_key
 
-    def key(variant, dtype, H, M, residual=True, in_place=False):
+    def key(variant, dtype, H, M, residual=True, in_place=False, slots=1):
         gemma = VARIANTS[variant][1].get("gemma", False)
         return ("fused_norm", *fused_kernel_key(DTYPES[dtype], H, variant_spec(variant), residual,
-                                                gemma, True, M, in_place))
+                                                gemma, True, M, in_place, slots))
 
     if test == "test_fused_norm":
         variant, H, M = params["variant"], params["H"], params["M"]
@@ -225,10 +225,12 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
                  False, True, params["cluster"], True, s) for s in (1, params["split"])]
     if test == "test_slots_sum_in_rank_order":
         v, d, slots, M, H = (params[k] for k in ("variant", "dtype", "slots", "M", "H"))
-        base = key(v, d, H, M, in_place=params["in_place"])
-        return [base + (slots,), key(v, d, H, M, residual=False)]
+        return [key(v, d, H, M, in_place=params["in_place"], slots=slots),
+                key(v, d, H, M, residual=False)]
     if test == "test_model_hidden_sizes":
         return [key(params["variant"], params["dtype"], params["H"], M) for M in (1, 7, 130)]
+    if test == "test_one_cta_per_sm_rows_against_the_reference":
+        return [key(params["variant"], "bf16", params["H"], M) for M in PACKED_EDGE_ROWS]
     if test == "test_ragged_rows_against_the_reference":
         return [key(params["variant"], params["dtype"], RAGGED_HIDDEN, M) for M in (3, 130)]
     if test == "test_no_residual_strided_in_place":  # its three run_and_check calls
@@ -308,6 +310,21 @@ def test_ragged_rows_against_the_reference(variant, dtype):
     3 rows (split over CTAs) and 130."""
     for M in (3, 130):
         run_and_check(variant, DTYPES[dtype], M, RAGGED_HIDDEN)
+
+
+# NOTE [one CTA per SM] in kernels/fused_norm.py: swizzled split calls of 19-32 rows reserve an SM
+# per CTA; 18 and 33 rows are the edges (other kernels)
+PACKED_EDGE_ROWS = (18, 19, 24, 32, 33)
+PACKED_CASES = [(v, H) for v in ("nvfp4_swizzled", "mxfp8_swizzled", "mxfp4_swizzled")
+                for H in (4096, 12288)]
+
+
+@pytest.mark.parametrize("variant, H", PACKED_CASES)
+def test_one_cta_per_sm_rows_against_the_reference(variant, H):
+    """Every output (the padding rows' zero scales included) against the reference, outputs
+    poisoned, at the row counts whose kernels take an SM per CTA and at their edges."""
+    for M in PACKED_EDGE_ROWS:
+        run_and_check(variant, torch.bfloat16, M, H)
 
 
 # hidden sizes of released models (Qwen2.5-0.5B 896, Gemma 3 1B 1152, Gemma 2 2B 2304, Qwen3-4B

@@ -85,18 +85,19 @@ def fake_norm_quant_args(cdtype, hidden: int, quant: QuantSpec, has_residual: bo
 @compat.compiled_kernel(FusedAddRMSNormQuant)
 def compiled_fused_norm(dtype: str, hidden: int, quant: QuantSpec, has_residual: bool, gemma: bool,
                         write_y: bool, cluster_n: int = 1, pdl: bool = False,
-                        split: int = 1, slots: int = 1) -> tuple:
+                        split: int = 1, slots: int = 1, one_cta_per_sm: bool = False) -> tuple:
     """The compiled single-GPU kernel (this describes it; compat.compiled_kernel compiles and caches
     it); call as f(x, res, res_out, w, y, q, scales, scale, gs, eps).
     pdl: launched as a programmatic dependent launch (kernels/fused_norm.py); split: CTAs
     (clusters) per row (NOTE [split rows] there); slots > 1: x is [slots, M, H], the rows summed
-    over the slots in order (NOTE [slots] there)."""
+    over the slots in order (NOTE [slots] there); one_cta_per_sm: NOTE [one CTA per SM] there."""
     cdtype = CUTE_DTYPES[dtype]
     # ~128-thread CTAs (one row up to H = 4096 is 128 threads): more, smaller CTAs than 256 spread
     # a few hundred to a few thousand rows more evenly over the SMs (H200: NVFP4 at 128 x 4096
     # 4.70 -> 4.08 us, 4096 x 1536 15.3 -> 14.1 us; 16384 rows within 1%). Not a bit changes.
     tiling = choose_tiling(hidden, cluster_n, quant.group_size, cta_threads=128)
-    kernel = FusedAddRMSNormQuant(tiling, quant, has_residual, gemma, write_y, pdl, split, slots)
+    kernel = FusedAddRMSNormQuant(tiling, quant, has_residual, gemma, write_y, pdl, split, slots,
+                                  one_cta_per_sm)
     m = compat.sym_int(32)
     args = fake_norm_quant_args(cdtype, hidden, quant, has_residual, write_y, m)
     if slots > 1:  # x [slots, M, H]: slot and row strides are run-time

@@ -37,6 +37,16 @@ from distnorm.kernels.tiling import RowTiling
 PAD_CTAS = 8
 MIN_PAD_WORDS = 4
 
+# NOTE [one CTA per SM]
+# With programmatic dependent launch a call's grid is placed while the previous kernel still holds
+# the SMs, and the block scheduler packs it onto the SMs free at that moment: NVFP4 at 14336 x 24
+# rows, 104 CTAs, ran on 70 SMs, 34 of them holding two, which took 1.2x the cycles of a CTA alone
+# (per-CTA %smid stamps behind a call of the same kernel; none doubled with PDL off). Split calls of
+# PACKED_ROWS rows with swizzled scales (ops._one_cta_per_sm) therefore reserve ONE_CTA_SMEM of
+# shared memory, more than half an SM's, so no SM takes two of their CTAs and a grid of up to 132
+# CTAs spreads whatever it is placed behind. Measured on H200 (benchmarks/results/one_cta_per_sm_h200.md).
+ONE_CTA_SMEM = 120 * 1024  # > 228 KB / 2: the shared memory of an sm_90 / sm_100 SM
+
 # NOTE [split rows]
 # At decode a row's canonical threads (NOTE [batch invariance] in norm_quant.py) sit on one SM and
 # the quantizer's per-element arithmetic on them is most of the call. With split = S, S CTAs take
@@ -70,8 +80,10 @@ class FusedAddRMSNormQuant:
     """Compile-time settings live on the object; rows (M) and strides are run-time."""
 
     def __init__(self, tiling: RowTiling, quant: QuantSpec, has_residual: bool, gemma: bool,
-                 write_y: bool, pdl: bool = False, split: int = 1, slots: int = 1):
+                 write_y: bool, pdl: bool = False, split: int = 1, slots: int = 1,
+                 one_cta_per_sm: bool = False):
         self.t = tiling
+        self.one_cta_per_sm = one_cta_per_sm  # NOTE [one CTA per SM]
         self.slots = slots  # NOTE [slots]: x is [slots, M, H] when > 1
         self.pdl = pdl
         self.q = quant
@@ -94,6 +106,7 @@ class FusedAddRMSNormQuant:
             grid=[blocks * t.cluster_n, 1, 1],
             block=[t.threads, 1, 1],
             cluster=[t.cluster_n, 1, 1] if const_expr(t.cluster_n > 1) else None,
+            smem=ONE_CTA_SMEM if self.one_cta_per_sm else None,  # None: what the kernel uses
             stream=stream,
             use_pdl=self.pdl,
         )

@@ -17,8 +17,9 @@ from torch import Tensor
 from .args import (DTYPE_NAMES, allocate_outputs, check_op_inputs, check_rows_aligned, checked_mode,
                    copy_outputs, format_scalar, kernel_scalars, q_alignment, returned_scales,
                    check_scales_aligned, check_flags, check_outputs_apart)
-from .kernels.tiling import cluster_sizes
-from .formats import NormQuantOutput, QuantSpec, kernel_spec, make_quant_spec, spec_code
+from .kernels.tiling import cluster_sizes, fused_tiling, pad_clusters
+from .formats import (NormQuantOutput, QuantSpec, kernel_spec, make_quant_spec, spec_code,
+                      swizzled_tile_words)
 from .rows import call_on_rows
 
 
@@ -30,10 +31,11 @@ DECODE_ROWS = 48  # up to this many rows the 4-CTA spread pays (measured at 40, 
 # 4 parts up to 8 rows, then per-group FP8 2 up to 16; others 2 up to 8): _split_rows
 SPLIT_CLUSTER_ROWS = (8, 16)
 STATIC_SPLIT_ROWS = 32  # static FP8 from H = 8192 keeps 4 parts up to this many rows: _split_rows
-# swizzled calls of these many rows on one CTA per row in parts take one CTA per SM:
-# NOTE [one CTA per SM] in kernels/fused_norm.py; _one_cta_per_sm
-PACKED_ROWS = (19, STATIC_SPLIT_ROWS)
-PACKED_MIN_H = 4096
+# swizzled calls of these many rows on one CTA per row in parts, from this H, take one CTA per SM
+# where the grid fits the SMs: NOTE [one CTA per SM] in kernels/fused_norm.py; _one_cta_per_sm
+PACKED_ROWS = (18, 31)
+PACKED_MIN_H = 8192
+H200_SMS = 132  # the SM count assumed without a GPU (precompiling on a CPU): H100 / H200 SXM
 
 
 class FusedKernelKey(NamedTuple):
@@ -75,6 +77,7 @@ def _rows_bucket(M: int) -> int:
     return (SPLIT_CLUSTER_ROWS[0] if M <= SPLIT_CLUSTER_ROWS[0] else
             SPLIT_CLUSTER_ROWS[1] if M <= SPLIT_CLUSTER_ROWS[1] else
             PACKED_ROWS[0] - 1 if M < PACKED_ROWS[0] else
+            PACKED_ROWS[1] if M <= PACKED_ROWS[1] else
             STATIC_SPLIT_ROWS if M <= STATIC_SPLIT_ROWS else
             DECODE_ROWS if M <= DECODE_ROWS else FEW_ROWS if M <= FEW_ROWS else FEW_ROWS + 1)
 
@@ -111,10 +114,23 @@ def fused_kernel_key(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_
 @functools.cache
 def _one_cta_per_sm(H: int, rows: int, spec: Optional[QuantSpec], cluster: int, split: int) -> bool:
     """Whether calls of up to `rows` rows hold an SM per CTA (NOTE [one CTA per SM] in
-    kernels/fused_norm.py): swizzled scales (whose padding CTAs join the grid) on one CTA per row
-    in parts, from PACKED_ROWS[0] to PACKED_ROWS[1] rows, where the grid fits the SMs of an H200."""
-    return (spec is not None and spec.block_scaled and spec.swizzled and cluster == 1
-            and split > 1 and H >= PACKED_MIN_H and PACKED_ROWS[0] <= rows <= PACKED_ROWS[1])
+    kernels/fused_norm.py): swizzled block scales (whose padding CTAs join the grid) on one CTA per
+    row in parts, PACKED_ROWS[0] to PACKED_ROWS[1] rows from H = PACKED_MIN_H, when the grid of the
+    bucket's largest call fits the GPU's SMs (none waits for a second wave)."""
+    if not (spec is not None and spec.block_scaled and spec.swizzled and cluster == 1
+            and split > 1 and H >= PACKED_MIN_H and PACKED_ROWS[0] <= rows <= PACKED_ROWS[1]):
+        return False
+    tiling = fused_tiling(H, cluster, spec.group_size)
+    pads = pad_clusters(tiling, swizzled_tile_words(H // spec.group_size))
+    return -(-rows // tiling.rows_per_cta) * split + pads <= _sm_count()
+
+
+@functools.cache
+def _sm_count() -> int:
+    """SMs of the current GPU (H200_SMS without one: keys computed on a CPU)."""
+    if not torch.cuda.is_available():
+        return H200_SMS
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 @functools.cache

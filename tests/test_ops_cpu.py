@@ -138,7 +138,8 @@ def test_split_rows_never_when_an_output_starts_at_an_input():
 
 
 def test_one_cta_per_sm_only_for_swizzled_split_rows_that_fit_the_sms():
-    """NOTE [one CTA per SM]: 19-32 rows, swizzled block scales, one CTA per row in parts, H >= 4096."""
+    """NOTE [one CTA per SM]: 18-31 rows, swizzled block scales, one CTA per row in parts, from
+    H = 8192, where the grid fits 132 SMs (no GPU here: ops.H200_SMS)."""
     from distnorm.formats import make_quant_spec
     from distnorm.ops import fused_kernel_key
 
@@ -146,10 +147,10 @@ def test_one_cta_per_sm_only_for_swizzled_split_rows_that_fit_the_sms():
         spec = make_quant_spec(quant, **opts)
         return fused_kernel_key(torch.bfloat16, H, spec, True, False, False, M, in_place).one_cta_per_sm
 
-    assert [flag("nvfp4", 12288, M) for M in (1, 16, 17, 18, 19, 24, 32, 33, 48)] == \
-        [False, False, False, False, True, True, True, False, False]
-    assert flag("mxfp8", 4096, 24) and flag("mxfp4", 8192, 19) and flag("nvfp4", 14336, 32)
-    assert not flag("nvfp4", 2048, 24)  # several rows per CTA
+    assert [flag("nvfp4", 12288, M) for M in (1, 16, 17, 18, 19, 24, 31, 32, 33, 48)] == \
+        [False, False, False, True, True, True, True, False, False, False]
+    assert flag("mxfp8", 8192, 24) and flag("mxfp4", 8192, 18) and flag("nvfp4", 14336, 31)
+    assert not flag("nvfp4", 4096, 24)  # measured mixed (-3.6..+5%)
     assert not flag("nvfp4", 16384, 24)  # rows spread over a cluster, not split
     assert not flag("nvfp4", 12288, 24, sf_layout="linear")  # no padding CTAs
     assert not flag("fp8_per_token", 12288, 24) and not flag("fp8", 12288, 24)

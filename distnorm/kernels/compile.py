@@ -21,7 +21,7 @@ from cutlass import Float32
 from distnorm.kernels import compat
 from distnorm.kernels.fused_norm import FusedAddRMSNormQuant
 from distnorm.formats import QuantSpec
-from distnorm.kernels.tiling import choose_tiling
+from distnorm.kernels.tiling import fused_tiling
 
 CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -92,10 +92,7 @@ def compiled_fused_norm(dtype: str, hidden: int, quant: QuantSpec, has_residual:
     (clusters) per row (NOTE [split rows] there); slots > 1: x is [slots, M, H], the rows summed
     over the slots in order (NOTE [slots] there); one_cta_per_sm: NOTE [one CTA per SM] there."""
     cdtype = CUTE_DTYPES[dtype]
-    # ~128-thread CTAs (one row up to H = 4096 is 128 threads): more, smaller CTAs than 256 spread
-    # a few hundred to a few thousand rows more evenly over the SMs (H200: NVFP4 at 128 x 4096
-    # 4.70 -> 4.08 us, 4096 x 1536 15.3 -> 14.1 us; 16384 rows within 1%). Not a bit changes.
-    tiling = choose_tiling(hidden, cluster_n, quant.group_size, cta_threads=128)
+    tiling = fused_tiling(hidden, cluster_n, quant.group_size)
     kernel = FusedAddRMSNormQuant(tiling, quant, has_residual, gemma, write_y, pdl, split, slots,
                                   one_cta_per_sm)
     m = compat.sym_int(32)

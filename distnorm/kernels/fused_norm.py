@@ -16,7 +16,7 @@ from cutlass import Float32, Int32, const_expr
 from distnorm.formats import VEC, QuantSpec, swizzled_tile_words  # absolute imports: see compat.py
 from distnorm.kernels.compat import SmemAllocator
 from distnorm.kernels.norm_quant import NormQuantCore
-from distnorm.kernels.tiling import RowTiling
+from distnorm.kernels.tiling import RowTiling, pad_clusters, pad_words_per_thread
 
 
 # NOTE [padding CTAs]
@@ -34,17 +34,19 @@ from distnorm.kernels.tiling import RowTiling
 # dependent launch: the next grid is placed while this one holds the SMs and is packed (104 CTAs on
 # 70 SMs), and the order changes that packing; with PDL off the times are smooth in M and first is
 # 0.5-3% slower everywhere (benchmarks/results/pad_first_pdl_h200.md). Hence no rule.
-PAD_CTAS = 8
-MIN_PAD_WORDS = 4
+# (PAD_CTAS, MIN_PAD_WORDS and the arithmetic: kernels/tiling.py, which the host reads too)
 
 # NOTE [one CTA per SM]
 # With programmatic dependent launch a call's grid is placed while the previous kernel still holds
 # the SMs, and the block scheduler packs it onto the SMs free at that moment: NVFP4 at 14336 x 24
-# rows, 104 CTAs, ran on 70 SMs, 34 of them holding two, which took 1.2x the cycles of a CTA alone
-# (per-CTA %smid stamps behind a call of the same kernel; none doubled with PDL off). Split calls of
-# PACKED_ROWS rows with swizzled scales (ops._one_cta_per_sm) therefore reserve ONE_CTA_SMEM of
-# shared memory, more than half an SM's, so no SM takes two of their CTAs and a grid of up to 132
-# CTAs spreads whatever it is placed behind. Measured on H200 (benchmarks/results/one_cta_per_sm_h200.md).
+# rows, 104 CTAs behind a call of the same kernel, ran on 70 SMs, 34 of them holding two, which took
+# 1.2x the cycles of a CTA alone (per-CTA %smid stamps; none doubled with PDL off). Swizzled split
+# calls of 18-31 rows from H = 8192 (ops._one_cta_per_sm: where the whole grid, padding CTAs
+# included, fits the SMs) therefore reserve ONE_CTA_SMEM of shared memory, more than half an SM's,
+# so no SM takes two of their CTAs. H200, PDL on: MXFP8 / NVFP4 at 8192-14336 x 18-31 rows -2..-17%
+# (NVFP4 12288 x 24 3.17 -> 2.68 us), with PDL off even (-1.7..+0.5%); at H = 4096 mixed (-3.1..+4.4%)
+# and at 17 rows +1.6..+4.5% (no packing there), so neither takes it; at 40 rows the grid would
+# need two waves (+17..+47%). benchmarks/results/one_cta_per_sm_h200.md.
 ONE_CTA_SMEM = 120 * 1024  # > 228 KB / 2: the shared memory of an sm_90 / sm_100 SM
 
 # NOTE [split rows]
@@ -117,14 +119,11 @@ class FusedAddRMSNormQuant:
 
     def _pad_words_per_thread(self) -> int:
         """Words each padding CTA thread zeroes (NOTE [padding CTAs])."""
-        tile_words = swizzled_tile_words(self.t.hidden // self.q.group_size)
-        return max(MIN_PAD_WORDS, -(-tile_words // (PAD_CTAS * self.t.threads)))
+        return pad_words_per_thread(self.t, swizzled_tile_words(self.t.hidden // self.q.group_size))
 
     def _pad_clusters(self) -> int:
         """Clusters (CTAs without one) that zero a partial last tile's padding scales."""
-        t = self.t
-        tile_words = swizzled_tile_words(t.hidden // self.q.group_size)
-        return -(-tile_words // (self._pad_words_per_thread() * t.threads * t.cluster_n))
+        return pad_clusters(self.t, swizzled_tile_words(self.t.hidden // self.q.group_size))
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mR, mRout, mW: cute.Tensor, mY, mQ, mS, mScale, mGS,

@@ -33,7 +33,8 @@ from distnorm.kernels.tiling import RowTiling, pad_clusters, pad_words_per_threa
 # 6-16% faster at 12288 / 14336 x 19-28 rows only where a call follows itself with programmatic
 # dependent launch: the next grid is placed while this one holds the SMs and is packed (104 CTAs on
 # 70 SMs), and the order changes that packing; with PDL off the times are smooth in M and first is
-# 0.5-3% slower everywhere (benchmarks/results/pad_first_pdl_h200.md). Hence no rule.
+# 0.5-3% slower everywhere (benchmarks/results/pad_first_pdl_h200.md). No padding rule: NOTE [one
+# CTA per SM] removes the packing instead.
 # (PAD_CTAS, MIN_PAD_WORDS and the arithmetic: kernels/tiling.py, which the host reads too)
 
 # NOTE [one CTA per SM]

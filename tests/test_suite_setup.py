@@ -11,9 +11,9 @@ import pytest
 
 from distnorm.launch import LaunchEnv, detect_launch_env, without_launcher_vars
 from sharding import group_owners, plan_shard, sharding_enabled
-from test_single_gpu import (EDGE_HIDDEN, EDGE_TOKENS, MIDDLE_HIDDEN, MODEL_CASES, RAGGED_CASES,
-                             SLOTS_CASES, SPLIT_CASES, TOKENS, VARIANTS, fused_norm_cases,
-                             grid_level)
+from test_single_gpu import (EDGE_HIDDEN, EDGE_TOKENS, MIDDLE_HIDDEN, MODEL_CASES, PACKED_CASES,
+                             RAGGED_CASES, SLOTS_CASES, SPLIT_CASES, TOKENS, VARIANTS,
+                             fused_norm_cases, grid_level)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -165,10 +165,10 @@ def test_launched_ranks_split_the_grid_by_kernel():
     everything = _collected(unsplit)
     barrier = [n for n in everything if "multigpu" in n]
     # + 10: test_single_gpu.py's other tests (3 batch-invariance, 3 strided, graph, 2 dependent
-    # chains, bad inputs), and the split-rows, ragged-rows and slots cases
+    # chains, bad inputs), and the split-rows, ragged-rows, one-CTA-per-SM and slots cases
     assert len(barrier) == 3 and len(everything) == (3 + len(fused_norm_cases("default")) + 10
                                                      + len(SPLIT_CASES) + len(RAGGED_CASES)
-                                                     + len(MODEL_CASES)
+                                                     + len(MODEL_CASES) + len(PACKED_CASES)
                                                      + len(SLOTS_CASES))
     for names in got:
         assert names[:3] == barrier  # collective tests first, on every rank

@@ -275,6 +275,7 @@ import importlib, sys
 import pytest
 sys.path[:0] = [{tests!r}]
 from precompile_keys import keys_of
+from distnorm.kernels.precompile import _builder
 
 class KeysAtEveryWorld:
     def pytest_collection_finish(self, session):
@@ -283,7 +284,10 @@ class KeysAtEveryWorld:
             spawn.launch_world_size = lambda w=world: w
             for item in session.items:
                 try:
-                    n = len(keys_of([item])[1])
+                    keys = keys_of([item])[1]
+                    n = len(keys)
+                    for key in keys:  # arguments its builder takes (else precompile raises)
+                        _builder(key[0]).cache_key(*key[1:])
                 except Exception as e:  # a call that cannot be planned at this world size
                     print("FAILED", world, item.nodeid, repr(e)[:300])
                 else:
@@ -297,8 +301,10 @@ pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", {multigpu!r}],
 def test_multi_gpu_kernel_lists_plan_at_every_world_size():
     """Every multi-GPU test's kernel list (what tests/conftest.py compiles ahead) can be made at
     2, 4 and 8 ranks: its calls plan there (a workspace too small for a world size raises when
-    planned: the fault tests' 16 MiB could not hold one-shot's NVFP4 chunk at 8 ranks), so the
-    suite's first 8-rank run does not fail at collection. Collected in a subprocess."""
+    planned: the fault tests' 16 MiB could not hold one-shot's NVFP4 chunk at 8 ranks) and each
+    key is what its builder takes (a key of the wrong length made the collection of every
+    multi-GPU run fail, 2026-12-04), so the suite's first 8-rank run does not fail at collection.
+    Collected in a subprocess."""
     import subprocess
     import sys
 

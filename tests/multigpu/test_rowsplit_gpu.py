@@ -233,8 +233,8 @@ def kernel_keys(test: str, params: dict) -> list[tuple]:
         spec = formats.make_quant_spec(quant, **opts)
         # the no-peer forms' kernels with `world` slots: gather (the call's rows, spec's layout),
         # split (this rank's slice, linear scales, in place)
-        keys += [("fused_norm", *fused_kernel_key(bf16, H, s, True, False, True, rows, in_place),
-                  world)
+        keys += [("fused_norm", *fused_kernel_key(bf16, H, s, True, False, True, rows, in_place,
+                                                  world))
                  for s, in_place in ((spec, False), (linear_spec(spec), True))
                  for rows in (1, FEW_ROWS, FEW_ROWS + 1)]
         for write_y in (True, False):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -108,7 +109,14 @@ def fused_kernel_key(dtype: torch.dtype, H: int, spec: Optional[QuantSpec], has_
     split = 1 if in_place else _split_rows(H, bucket, spec)
     return FusedKernelKey(DTYPE_NAMES[dtype], H, kernel_spec(spec), has_residual, gemma, write_y,
                           cluster, pdl_from_env(), split, slots,
-                          _one_cta_per_sm(H, bucket, spec, cluster, split))
+                          one_cta_from_env() and _one_cta_per_sm(H, bucket, spec, cluster, split))
+
+
+def one_cta_from_env() -> bool:
+    """NOTE [one CTA per SM] unless DISTNORM_ONE_CTA_PER_SM=0 (read when a key is first compiled,
+    as DISTNORM_PDL): an A/B lever for benchmarks, and for a norm that runs beside other streams'
+    kernels, whose CTAs would have to leave an SM's shared memory before one of its could start."""
+    return os.environ.get("DISTNORM_ONE_CTA_PER_SM", "1") != "0"
 
 
 @functools.cache

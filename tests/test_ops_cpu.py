@@ -139,7 +139,8 @@ def test_split_rows_never_when_an_output_starts_at_an_input():
 
 def test_one_cta_per_sm_only_for_swizzled_split_rows_that_fit_the_sms(monkeypatch):
     """NOTE [one CTA per SM]: 18-31 rows, swizzled block scales, one CTA per row in parts, from
-    H = 8192, where the grid fits the SMs (132 here: an H200's; with 114 none fits)."""
+    H = 8192, where the grid fits the SMs (132 here: an H200's; with 114 none fits);
+    DISTNORM_ONE_CTA_PER_SM=0 turns it off."""
     from distnorm import ops
     from distnorm.formats import make_quant_spec
     from distnorm.ops import fused_kernel_key
@@ -162,6 +163,9 @@ def test_one_cta_per_sm_only_for_swizzled_split_rows_that_fit_the_sms(monkeypatc
     key = fused_kernel_key(torch.bfloat16, 12288, make_quant_spec("nvfp4"), True, False, False, 24,
                            slots=2)
     assert (key.split, key.slots, key.one_cta_per_sm) == (4, 2, True)
+    monkeypatch.setenv("DISTNORM_ONE_CTA_PER_SM", "0")
+    assert not flag("nvfp4", 12288, 24)
+    monkeypatch.delenv("DISTNORM_ONE_CTA_PER_SM")
     monkeypatch.setattr(ops, "_sm_count", lambda: 114)  # an H100 PCIe: 4 x 31 + 8 CTAs do not fit
     ops._one_cta_per_sm.cache_clear()
     assert not flag("nvfp4", 12288, 24)

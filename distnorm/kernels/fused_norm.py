@@ -47,7 +47,11 @@ from distnorm.kernels.tiling import RowTiling, pad_clusters, pad_words_per_threa
 # so no SM takes two of their CTAs. H200, PDL on: MXFP8 / NVFP4 at 8192-14336 x 18-31 rows -2..-17%
 # (NVFP4 12288 x 24 3.17 -> 2.68 us), with PDL off even (-1.7..+0.5%); at H = 4096 mixed (-3.1..+4.4%)
 # and at 17 rows +1.6..+4.5% (no packing there), so neither takes it; at 40 rows the grid would
-# need two waves (+17..+47%). benchmarks/results/one_cta_per_sm_h200.md.
+# need two waves (+17..+47%). benchmarks/results/one_cta_per_sm_h200.md. Behind a cuBLAS GEMM (a
+# model's case: 128 GEMM CTAs of 164-213 KB hold 128 of 132 SMs at decode sizes) the same reservation
+# for every cluster-1 call of up to 64 rows at H 4096-14336 was within noise of none in three of four
+# runs (benchmarks/results/after_gemm_h200.md; branch wip/one-cta-wide), so it stays this narrow.
+# DISTNORM_ONE_CTA_PER_SM=0 turns it off (ops.one_cta_from_env).
 ONE_CTA_SMEM = 120 * 1024  # > 228 KB / 2: the shared memory of an sm_90 / sm_100 SM
 
 # NOTE [split rows]

@@ -173,6 +173,35 @@ def test_the_suite_finds_per_process_and_multi_gpu_kernel_keys():
     assert keys_of(items) == ([("k", "a", 1)], [("k", "b", None), ("k", "c", 2)])
 
 
+def test_a_key_its_builder_refuses_is_named_not_raised(monkeypatch, tmp_path):
+    """A test's kernel list out of date with a builder's arguments (a key one field too long, as
+    on 2026-12-04) is dropped from the precompile, on every rank alike, and named in the line;
+    raised there it failed the collection of every rank (INTERNALERROR)."""
+    from types import SimpleNamespace
+
+    import precompile_keys
+    from distnorm.kernels import disk_cache
+    from distnorm.kernels import precompile as pc
+
+    monkeypatch.setenv(disk_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(pc, "precompile", lambda keys, workers=None: len(keys))
+    monkeypatch.setattr(pc, "wait_for", lambda keys, timeout_s: True)
+    good = ("fused_norm", "bfloat16", 4096)  # nameable below; compiling is faked above
+    bad = ("fused_norm", "bfloat16", 4096, "one field too many")
+    monkeypatch.setattr(pc, "cached_path",
+                        lambda key: (_ for _ in ()).throw(TypeError("too many positional arguments"))
+                        if key == bad else tmp_path / "k.so")
+    module = SimpleNamespace(kernel_keys=lambda test, params: [good, bad])
+    items = [SimpleNamespace(module=module, originalname=name, callspec=None,
+                             get_closest_marker=lambda m, g=gpus: g if m == "multigpu" else None)
+             for name, gpus in (("a", False), ("b", True))]
+    for rank in (0, 1):
+        env = SimpleNamespace(rank=rank, world_size=2, is_multiprocess=True)
+        line = precompile_keys.precompile_for(items, env)
+        assert "1 kernel keys refused" in line and "one field too many" in line, line
+        assert f"compiled {2 - rank} kernels" in line, line  # good (a) and, on rank 0, good (b)
+
+
 _PRECOMPILE_A_BAD_KEY = """
 import torch
 from distnorm import formats

@@ -11,16 +11,16 @@ cycles through enough input sets, GEMM weights included, that no call finds its 
   dn_pdl      GEMM + distnorm with PDL on (the default): the norm's launch may overlap the
               GEMM's tail
   dn_nopdl    the same with DISTNORM_PDL=0 (kernels compiled without PDL)
-  compiled    torch.compile(dynamic=False) of a @ w + add_rmsnorm_ref: Inductor's GEMM and its
-              fused add / norm / quant kernel(s)
+  compiled    torch.compile(dynamic=False) of a @ w + add_rmsnorm_ref: Inductor's call of the
+              same cuBLAS GEMM and its fused add / norm / quant kernel(s)
   norm        distnorm alone, back to back (PDL on: each call's launch overlaps the previous
               call, which triggers its dependents at its start), the same rows
   norm_nopdl  the same with PDL off
   dn_nocta, norm_nocta (--one-cta-off)  PDL on, DISTNORM_ONE_CTA_PER_SM=0 (NOTE [one CTA per SM]
               in distnorm/kernels/fused_norm.py off)
-and the norm's marginal time (median over the rounds of pair - gemm) for the three pairs. With a
-predecessor that never triggers early (cuBLAS), PDL can only hide launch latency; a difference
-between dn_pdl and dn_nopdl says whether the GEMM lets the norm in before it ends.
+and the norm's marginal time (median over the rounds of pair - gemm) for the three pairs. How early
+the norm may start is the GEMM kernel's choice (cuBLAS picks one per shape), so dn_pdl against
+dn_nopdl is what PDL gives or costs behind that GEMM (results/after_gemm_h200.md: per shape).
 """
 from __future__ import annotations
 

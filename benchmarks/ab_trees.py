@@ -1,9 +1,9 @@
 """A/B of source trees: a benchmark run from each tree's own checkout (its own code and kernel
 cache), the trees alternated for several rounds, then one table of us per call in every round and
 each tree's change of the mean against the first tree. `--bench single_gpu` (default:
-bench_single_gpu.py on one GPU), or `--bench allreduce_fusion` / `seqpar` / `fallback` under
-`torchrun --nproc-per-node N` (`--nproc N`, default 2): their wide rows (a column per case) become
-one row per case. Alternating rounds in one
+bench_single_gpu.py on one GPU), `--bench after_gemm` (bench_after_gemm.py: a row per marginal
+time), or `--bench allreduce_fusion` / `seqpar` / `fallback` under `torchrun --nproc-per-node N`
+(`--nproc N`, default 2): their wide rows (a column per case) become one row per case. Alternating rounds in one
 device call is what makes a 2-3% difference readable: the same point drifts by about that much
 between device sessions (the unchanged kernels of an A/B are its noise floor: show them too).
 
@@ -34,7 +34,8 @@ import sys
 #: --bench names: the benchmark script, and whether it runs one process per GPU under torchrun
 BENCHES = {"single_gpu": ("bench_single_gpu.py", False),
            "allreduce_fusion": ("bench_allreduce_fusion.py", True),
-           "seqpar": ("bench_seqpar.py", True), "fallback": ("bench_fallback.py", True)}
+           "seqpar": ("bench_seqpar.py", True), "fallback": ("bench_fallback.py", True),
+           "after_gemm": ("bench_after_gemm.py", False)}
 #: columns of the wide rows that are not a case's us per call
 _NOT_CASES = ("M", "H", "MB", "rs_kernel", "outputs_match")
 
@@ -80,12 +81,17 @@ def merge_rounds(results: dict[str, list[str]]) -> list[dict]:
 
 
 def _points(rows: list[dict]):
-    """(variant, M, H, us) of a benchmark's rows: long rows {variant, M, H, us} as they are, wide
-    rows (a column per case) one point per numeric case column; cases that did not run (None)
-    are left out."""
+    """(variant, M, H, us) of a benchmark's rows: long rows {variant, M, H, us} as they are,
+    bench_after_gemm's rows one point per marginal column, wide rows (a column per case) one point
+    per numeric case column; cases that did not run (None) are left out."""
     for r in rows:
-        if "variant" in r:
+        if "variant" in r and "us" in r:
             yield r["variant"], r["M"], r["H"], r["us"]
+            continue
+        if "variant" in r:  # bench_after_gemm: the norm's marginal times, the GEMM's K in the name
+            for k, v in r.items():
+                if k.endswith("_marginal"):
+                    yield f"{r['variant']}_K{r['K']}_{k[:-len('_marginal')]}", r["M"], r["H"], v
             continue
         for k, v in r.items():
             if (k not in _NOT_CASES and not k.startswith("GB/s") and isinstance(v, (int, float))

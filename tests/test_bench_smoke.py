@@ -133,7 +133,8 @@ def test_ab_trees_alternates_the_trees_and_merges_their_rounds(tmp_path):
 
 def test_ab_trees_reads_the_wide_rows_of_the_multi_gpu_benchmarks():
     """A multi-GPU benchmark's row has a column per case: one point per numeric case column, its
-    flags, sizes and GB/s left out, a case that did not run (None) too."""
+    flags, sizes and GB/s left out, a case that did not run (None) too; bench_after_gemm's rows
+    a point per marginal time, named with the GEMM's K."""
     sys.path.insert(0, BENCHMARKS)
     import ab_trees
 
@@ -144,3 +145,8 @@ def test_ab_trees_reads_the_wide_rows_of_the_multi_gpu_benchmarks():
     long = [{"variant": "fp8", "M": 1, "H": 4096, "us": 2.0}]
     assert list(ab_trees._points(long)) == [("fp8", 1, 4096, 2.0)]
     assert ab_trees.BENCHES["allreduce_fusion"] == ("bench_allreduce_fusion.py", True)
+    after_gemm = [{"variant": "fp8", "M": 8, "H": 8192, "K": 14336, "gemm": 58.5, "dn_pdl": 60.5,
+                   "dn_pdl_marginal": 2.0, "dn_nopdl_marginal": 2.5}]
+    assert list(ab_trees._points(after_gemm)) == [("fp8_K14336_dn_pdl", 8, 8192, 2.0),
+                                                  ("fp8_K14336_dn_nopdl", 8, 8192, 2.5)]
+    assert ab_trees.BENCHES["after_gemm"] == ("bench_after_gemm.py", False)

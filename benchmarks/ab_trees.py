@@ -3,9 +3,10 @@ cache), the trees alternated for several rounds, then one table of us per call i
 each tree's change of the mean against the first tree. `--bench single_gpu` (default:
 bench_single_gpu.py on one GPU), `--bench after_gemm` (bench_after_gemm.py: a row per marginal
 time), or `--bench allreduce_fusion` / `seqpar` / `fallback` under `torchrun --nproc-per-node N`
-(`--nproc N`, default 2): their wide rows (a column per case) become one row per case. Alternating rounds in one
-device call is what makes a 2-3% difference readable: the same point drifts by about that much
-between device sessions (the unchanged kernels of an A/B are its noise floor: show them too).
+(`--nproc N`, default 2): their wide rows (a column per case) become one row per case.
+Alternating rounds in one device call is what makes a 2-3% difference readable: the same point
+drifts by about that much between device sessions (the unchanged kernels of an A/B are its noise
+floor: show them too).
 
     git worktree add --detach ../base main         # the tree to compare against
     python benchmarks/ab_trees.py --tree base=../base --tree new=. --rounds 2 \\

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_single_gpu import VARIANTS, count_bytes, variant_kwargs  # noqa: E402
-from common import write_table  # noqa: E402
+from common import capture_graph, write_table  # noqa: E402
 
 import distnorm  # noqa: E402
 from distnorm import formats, ops  # noqa: E402
@@ -62,22 +62,10 @@ def _sets(M: int, K: int, H: int, w_norm, kw: dict, count: int) -> list:
 
 
 def _graph(call, sets) -> tuple:
-    """(graph, calls): call(set) captured once per set, at least 20 calls, cycling through the
-    sets; warmed up (and compiled) before the capture."""
+    """(graph, calls): call(set) captured at least 20 times, cycling through the sets."""
     n = max(20, len(sets))
-    for i in range(3):
-        call(sets[i % len(sets)])
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(g, stream=stream):
-        for i in range(n):
-            call(sets[i % len(sets)])
-    torch.cuda.current_stream().wait_stream(stream)
-    g.replay()
-    torch.cuda.synchronize()
-    return g, n
+    counter = iter(range(1 << 30))
+    return capture_graph(lambda: call(sets[next(counter) % len(sets)]), n), n
 
 
 def _alternating_us(graphs: dict, rounds: int = 15) -> dict:
@@ -101,16 +89,10 @@ def _alternating_us(graphs: dict, rounds: int = 15) -> dict:
     return out
 
 
-def _set_pdl(on: bool) -> None:
-    """DISTNORM_PDL is read when a kernel key is first compiled: flip it and forget the cached
-    call kernels, so the next call compiles (or finds) the kernel of that PDL setting."""
-    os.environ["DISTNORM_PDL"] = "1" if on else "0"
-    ops.clear_kernel_caches()
-
-
-def _set_one_cta(on: bool) -> None:
-    """DISTNORM_ONE_CTA_PER_SM (NOTE [one CTA per SM]) on or off, as _set_pdl."""
-    os.environ["DISTNORM_ONE_CTA_PER_SM"] = "1" if on else "0"
+def _set_env(name: str, on: bool) -> None:
+    """DISTNORM_PDL / DISTNORM_ONE_CTA_PER_SM are read when a kernel key is first compiled: set
+    one and forget the cached call kernels, so the next call compiles (or finds) that kernel."""
+    os.environ[name] = "1" if on else "0"
     ops.clear_kernel_caches()
 
 
@@ -165,15 +147,15 @@ def main() -> None:
                 row = dict(variant=vname, M=M, H=H, K=K, sets=len(sets))
                 graphs = {"gemm": _graph(gemm, sets)}
                 for on in (True, False):
-                    _set_pdl(on)
+                    _set_env("DISTNORM_PDL", on)
                     graphs["dn_pdl" if on else "dn_nopdl"] = _graph(pair, sets)
                     graphs["norm" if on else "norm_nopdl"] = _graph(norm, sets)
-                _set_pdl(True)
+                _set_env("DISTNORM_PDL", True)
                 if args.one_cta_off:
-                    _set_one_cta(False)
+                    _set_env("DISTNORM_ONE_CTA_PER_SM", False)
                     graphs["dn_nocta"] = _graph(pair, sets)
                     graphs["norm_nocta"] = _graph(norm, sets)
-                    _set_one_cta(True)
+                    _set_env("DISTNORM_ONE_CTA_PER_SM", True)
                 if M in args.compile_Ms:
                     chain = torch.compile(lambda a, w, r, kw=kw, w_norm=w_norm: add_rmsnorm_ref(
                         a @ w, r, w_norm, 1e-6, **kw), dynamic=False)

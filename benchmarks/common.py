@@ -18,19 +18,7 @@ def time_graph_us(fn: Callable[[], object], calls_per_graph: int = 20, repeats: 
     between synchronized replays shows up as a slow replay on every rank (seen: whole cases 10x
     slow, 2026-11-21); queued replays run back to back and only the first absorbs the ranks' skew.
     """
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(g, stream=stream):
-            for _ in range(calls_per_graph):
-                fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g.replay()
-    torch.cuda.synchronize()
+    g = capture_graph(fn, calls_per_graph, warmup)
     times = []
     if prequeue:
         events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
@@ -54,6 +42,25 @@ def time_graph_us(fn: Callable[[], object], calls_per_graph: int = 20, repeats: 
     if stats:
         return statistics.median(times), min(times), max(times)
     return statistics.median(times)
+
+
+def capture_graph(fn: Callable[[], object], calls: int, warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """`fn` called `warmup` times (compiles, allocations), then captured `calls` times in one CUDA
+    graph on a side stream, replayed once and synchronized: ready to time."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(g, stream=stream):
+            for _ in range(calls):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    g.replay()
+    torch.cuda.synchronize()
+    return g
 
 
 _SLEEP_CYCLES = 4_000_000

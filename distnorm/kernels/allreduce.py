@@ -35,9 +35,10 @@ griddepcontrol.launch_dependents at once: the next kernel may be scheduled early
 correct PDL consumer it also waits in griddepcontrol.wait for this grid's completion and memory
 flush, so no consumer can see half-written outputs (the early-completion NaNs vLLM works around
 come from consumers that read before that wait). Whether the launch overlaps anything is the
-predecessor's choice: behind a kernel that triggers no dependents before it ends (cuBLAS's 8192 x 8192
-and 128-row GEMMs on H200) no CTA is placed early and a PDL launch costs 0.15-0.7 us more than a plain
-one (single-GPU norm: benchmarks/results/after_gemm_pdl_stamps_h200.md); DISTNORM_PDL=0 is the switch.
+predecessor's choice: behind a kernel that triggers no dependents before it ends (cuBLAS's
+8192 x 8192 and 128-row GEMMs on H200) no CTA is placed early and a PDL launch costs 0.15-0.7 us
+more than a plain one (single-GPU norm: benchmarks/results/after_gemm_pdl_stamps_h200.md);
+DISTNORM_PDL=0 is the switch.
 
 Barrier coverage: every dependency is between same-index CTAs. CTA b handles the same in-slice row
 groups in every phase (one-shot: the same rows), so after cta_barrier every row CTA b reads was

@@ -12,7 +12,7 @@
 # are shared, so times are a little above a machine to themselves. 2026-11-27 on nvidia-h200-x4 the
 # launchers' suites side by side took 330 / 336 s, as one alone did on nvidia-h200-x2 before.)
 #
-# Steps (what each checks; the results file it writes, for benchmarks/README.md and docs/TESTING.md):
+# Steps (what each checks; the results file it writes, for benchmarks/README.md and docs/TESTING_LOG.md):
 #   tests-torchrun  torchrun --nproc-per-node N -m pytest tests (the whole suite, every rank)
 #   tests-mpirun    mpirun -np N python -m pytest tests
 #   tests-plain     python -m pytest tests (self-spawns the multi-GPU tests), then python -m distnorm;

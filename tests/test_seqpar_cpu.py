@@ -156,11 +156,18 @@ def test_reduce_scatter_chunk_rule(world, caplog):
     assert _kernel_chunk(ws, _FakeRows(cap, H), None) == -(-cap // world)  # fits: the shard
     M = world * cap  # does not fit, splits evenly
     assert _kernel_chunk(ws, _FakeRows(M, H), None) == cap // world
-    assert _kernel_chunk(ws, _FakeRows(M, H), nvfp4) == cap // world // 128 * 128
     with caplog.at_level("WARNING", logger="distnorm.collectives.seqpar"):
         for _ in range(3):  # uneven: torch.distributed
             assert _kernel_chunk(ws, _FakeRows(M + 1, H), None) == 0
     assert sum("do not split evenly" in r.getMessage() for r in caplog.records) == 1
+    # swizzled scales: whole 128-row tiles per rank, or torch.distributed naming that reason (at
+    # 8 ranks 16 MiB holds 96 rows of each shard, fewer than a tile)
+    tiles = _fake_workspace(p2p_ok=True, world_size=world, buffer_bytes=buf)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="distnorm.collectives.seqpar"):
+        assert _kernel_chunk(tiles, _FakeRows(M, H), nvfp4) == cap // world // 128 * 128
+    assert (cap // world >= 128) == (not caplog.records)
+    assert all("fewer than one 128-row tile" in r.getMessage() for r in caplog.records)
     assert _kernel_chunk(_fake_workspace(p2p_ok=False, world_size=world, buffer_bytes=buf),
                          _FakeRows(M, H), None) == 0
 
@@ -405,3 +412,28 @@ def test_scales_pushed_with_q_where_their_rows_fit(monkeypatch):
     state = state_of(big)
     state.tuning = dataclasses.replace(state.tuning, gather_by="peers")
     assert _kernel_gathers(big, x, nvfp4, True, True)[2:4] == (False, False)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_rowsplit_gpu_chunking_workspace_chunks(world):
+    """tests/multigpu/test_rowsplit_gpu.py's chunking workspace makes M = 2000 run in several
+    launches in every format at 2, 4 and 8 ranks (at 8, 16 MiB held less than a swizzled scale tile
+    per rank: the call went to torch.distributed and the GPU test's chunk check failed,
+    2026-12-07, 8 ranks sharing one H100)."""
+    import os
+    import sys
+
+    from distnorm import formats
+    from distnorm.collectives.seqpar import _kernel_chunk
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "multigpu"))
+    from test_rowsplit_gpu import QUANTS, small_buffer_mib  # noqa: E402
+
+    M, H = 2000, 4096
+    shard = -(-M // world)
+    for quant, opts in QUANTS.values():
+        ws = _fake_workspace(p2p_ok=True, world_size=world,
+                             buffer_bytes=small_buffer_mib(world) << 20)
+        per_launch = _kernel_chunk(ws, _FakeRows(M, H), formats.make_quant_spec(quant, **opts))
+        assert 0 < per_launch < shard, (quant, opts, per_launch)
+

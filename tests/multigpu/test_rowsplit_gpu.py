@@ -49,6 +49,12 @@ def _poisoned_outputs(quant, opts, M: int, H: int, in_place: bool) -> dict:
     return outs
 
 
+def small_buffer_mib(world: int) -> int:
+    """The chunking workspace of _body: M = 2000 must need several launches of at least one
+    128-row scale tile per rank (tests/test_rowsplit_cpu.py checks it at worlds 2 to 8)."""
+    return 16 if world <= 4 else 32
+
+
 def _body() -> None:
     import distnorm
     from distnorm import formats
@@ -59,11 +65,12 @@ def _body() -> None:
     boot = resolve_bootstrap(None)
     peer = distnorm.Workspace(buffer_bytes=32 << 20)
     nccl = distnorm.Workspace(backend="none", buffer_bytes=4 << 20)  # 4 MiB: chunks at M=2000
-    # 16 MiB: the reduce-scatter of M = 2000 runs in launches of 384 / 192 rows per shard (2 / 4
-    # ranks; swizzled scales 256 / 128), the last one partial (NOTE [reduce-scatter chunks])
-    small = distnorm.Workspace(buffer_bytes=16 << 20)
-    assert peer.p2p_ok and not nccl.p2p_ok and "none" in nccl.fallback_reason
     world = peer.world_size
+    # the reduce-scatter of M = 2000 runs in launches of 384 / 192 rows per shard (16 MiB at 2 / 4
+    # ranks; swizzled scales 256 / 128) or 192 (32 MiB at 8 ranks: 16 MiB holds 96 rows per shard,
+    # fewer than a swizzled scale tile), the last one partial (NOTE [reduce-scatter chunks])
+    small = distnorm.Workspace(buffer_bytes=small_buffer_mib(world) << 20)
+    assert peer.p2p_ok and not nccl.p2p_ok and "none" in nccl.fallback_reason
     chain = (distnorm.Workspace(backend="none", buffer_bytes=4 << 20, ranks_per_node=2)
              if world >= 4 and world % 2 == 0 else None)
 

@@ -314,9 +314,13 @@ def _kernel_chunk(ws: Workspace, x: Tensor, spec: Optional[QuantSpec]) -> int:
     state = state_of(ws)
     if not state.scatter_fallback_logged:  # once per workspace: a serving loop would repeat it
         state.scatter_fallback_logged = True
-        why = (f"its rows do not split evenly over {world} ranks" if M % world else
-               f"a launch holds {cap // world} rows of each rank's shard, fewer than one "
-               f"{SWIZZLE_ROWS}-row tile of swizzled scales")
+        if M % world:
+            why = f"its rows do not split evenly over {world} ranks"
+        elif cap // world:
+            why = (f"a launch holds {cap // world} rows of each rank's shard, fewer than one "
+                   f"{SWIZZLE_ROWS}-row tile of swizzled scales")
+        else:
+            why = "a launch holds no row of each rank's shard"
         log.warning("distnorm.reduce_scatter_add_rmsnorm: %d x %d does not fit the workspace's "
                     "buffer of %d bytes in one launch, and %s (chunks need that); using "
                     "torch.distributed (logged once per workspace; a larger buffer_bytes keeps "

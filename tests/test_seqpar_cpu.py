@@ -415,19 +415,18 @@ def test_scales_pushed_with_q_where_their_rows_fit(monkeypatch):
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_rowsplit_gpu_chunking_workspace_chunks(world):
+def test_rowsplit_gpu_chunking_workspace_chunks(world, monkeypatch):
     """tests/multigpu/test_rowsplit_gpu.py's chunking workspace makes M = 2000 run in several
     launches in every format at 2, 4 and 8 ranks (at 8, 16 MiB held less than a swizzled scale tile
     per rank: the call went to torch.distributed and the GPU test's chunk check failed,
     2026-12-07, 8 ranks sharing one H100)."""
     import os
-    import sys
 
     from distnorm import formats
     from distnorm.collectives.seqpar import _kernel_chunk
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "multigpu"))
-    from test_rowsplit_gpu import QUANTS, small_buffer_mib  # noqa: E402
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "multigpu"))
+    from test_rowsplit_gpu import QUANTS, small_buffer_mib
 
     M, H = 2000, 4096
     shard = -(-M // world)
@@ -436,4 +435,3 @@ def test_rowsplit_gpu_chunking_workspace_chunks(world):
                              buffer_bytes=small_buffer_mib(world) << 20)
         per_launch = _kernel_chunk(ws, _FakeRows(M, H), formats.make_quant_spec(quant, **opts))
         assert 0 < per_launch < shard, (quant, opts, per_launch)
-

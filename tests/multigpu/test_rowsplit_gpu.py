@@ -51,7 +51,7 @@ def _poisoned_outputs(quant, opts, M: int, H: int, in_place: bool) -> dict:
 
 def small_buffer_mib(world: int) -> int:
     """The chunking workspace of _body: M = 2000 must need several launches of at least one
-    128-row scale tile per rank (tests/test_rowsplit_cpu.py checks it at worlds 2 to 8)."""
+    128-row scale tile per rank (tests/test_seqpar_cpu.py checks it at worlds 2, 4 and 8)."""
     return 16 if world <= 4 else 32
 
 
